@@ -1,0 +1,163 @@
+"""All communication of a rank: process groups, all-to-all, all-reduce, with timeouts.
+
+Every collective goes through :class:`Comm`, which also counts the bytes each rank sends
+and receives per category (``features``, ``gradients``, ``selections``, ``reduction``,
+``control``) and the seconds spent inside collectives, for the reports.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+
+@dataclass
+class CommStats:
+    """Bytes and seconds per category since the last :meth:`reset`."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+        self.seconds.clear()
+
+
+class Comm:
+    """One rank's view of the job: rank, world size, device and the collectives it uses."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.timeout = timeout
+        self.stats = CommStats()
+        # Gradient buckets are reduced asynchronously during backward while the boundary
+        # exchange also runs there; a group of their own keeps the two streams of
+        # collectives from interleaving.
+        self.reduce_group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout)) if world_size > 1 else None
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend()
+
+    def _count(self, category: str, sent: int, received: int, seconds: float) -> None:
+        self.stats.sent[category] += sent
+        self.stats.received[category] += received
+        self.stats.seconds[category] += seconds
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> torch.Tensor:
+        """Rows ``send[sum(send_counts[:r]) : ...]`` go to rank r; rank r's rows land in ``out`` likewise.
+
+        ``send`` [sum(send_counts), *row], ``out`` [sum(recv_counts), *row] (contiguous).
+        """
+        start = time.perf_counter()
+        if self.world_size == 1:
+            out.copy_(send)
+        else:
+            dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        row_bytes = send.element_size() * math.prod(send.shape[1:])
+        own = send_counts[self.rank]
+        self._count(category, (sum(send_counts) - own) * row_bytes, (sum(recv_counts) - recv_counts[self.rank]) * row_bytes, time.perf_counter() - start)
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor, category: str = "control") -> torch.Tensor:
+        """Sum ``tensor`` over all ranks in place."""
+        if self.world_size > 1:
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            self._count(category, nbytes, nbytes, time.perf_counter() - start)
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work | None:
+        """Start summing ``tensor`` over all ranks on the gradient-reduction group."""
+        if self.world_size == 1:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("reduction", nbytes, nbytes, 0.0)
+        return dist.all_reduce(tensor, group=self.reduce_group, async_op=True)
+
+    def wait(self, work: dist.Work | None, category: str = "reduction") -> None:
+        if work is not None:
+            start = time.perf_counter()
+            work.wait()
+            self.stats.seconds[category] += time.perf_counter() - start
+
+    def all_gather_object(self, obj: object) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise UserError(f"environment variable {name} is not set: start ranks with bnsgcn-train, torchrun or srun")
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_from_env(device: str, timeout: float) -> Comm:
+    """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
+
+    ``device`` is ``cuda`` (NCCL, one GPU per local rank), ``cpu`` (gloo) or ``auto``
+    (cuda when available). Every collective then fails after ``timeout`` seconds instead
+    of waiting forever on a dead rank.
+    """
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if torch.cuda.device_count() <= local_rank:
+            raise UserError(
+                f"rank {rank} needs GPU {local_rank} but this machine has {torch.cuda.device_count()}; "
+                "start fewer ranks per machine or train on CPU with --procs"
+            )
+        torch.cuda.set_device(local_rank)
+        torch_device, backend = torch.device("cuda", local_rank), "nccl"
+        # NCCL reports a failed peer as an error instead of hanging.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    else:
+        torch_device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        device_id=torch_device if backend == "nccl" else None,
+    )
+    return Comm(rank, world_size, local_rank, torch_device, timeout)

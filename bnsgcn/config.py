@@ -1,0 +1,125 @@
+"""Training configuration: one dataclass, its command-line flags and their validation."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import UserError
+
+MODELS = ("graphsage", "gat", "gcn")
+NORMS = ("layer", "batch", "none")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    parts_dir: Path | None = None
+    p: float = 0.1
+    model: str = "graphsage"
+    layers: int = 3
+    hidden: int = 256
+    heads: int = 4
+    dropout: float = 0.5
+    norm: str = "layer"
+    lr: float = 0.01
+    weight_decay: float = 0.0
+    epochs: int = 200
+    seed: int = 0
+    eval_every: int = 10
+    precompute: bool | None = None  # None: on where exact (graphsage, gcn)
+    inductive: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None
+    out: Path | None = None
+    log_json: Path | None = None
+    timeout: float = 300.0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    verify: bool = False
+    debug: bool = False
+
+    @property
+    def use_precompute(self) -> bool:
+        """The first layer's full-graph aggregation is precomputed where that is exact."""
+        if self.precompute is None:
+            return self.model in ("graphsage", "gcn")
+        return self.precompute
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+    def model_signature(self) -> dict:
+        """The fields a checkpoint must agree on to be resumed."""
+        keys = ("model", "layers", "hidden", "heads", "norm", "inductive")
+        return {k: getattr(self, k) for k in keys} | {"precompute": self.use_precompute}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every training flag (documented in docs/cli.md) to ``parser``."""
+    g = parser.add_argument_group("training")
+    g.add_argument("--parts-dir", type=Path, help="partition set written by bnsgcn-partition (found automatically when exactly one matches)")
+    g.add_argument("--p", type=float, default=0.1, help="boundary node sampling probability, 0 <= p <= 1 (default 0.1)")
+    g.add_argument("--model", default="graphsage", help="graphsage | gat | gcn (default graphsage)")
+    g.add_argument("--layers", type=int, default=3, help="number of GNN layers (default 3)")
+    g.add_argument("--hidden", type=int, default=256, help="hidden width (default 256; per head for gat)")
+    g.add_argument("--heads", type=int, default=4, help="attention heads for gat (default 4)")
+    g.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default 0.5)")
+    g.add_argument("--norm", default="layer", help="layer | batch | none: normalisation between layers (default layer)")
+    g.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="Adam weight decay (default 0)")
+    g.add_argument("--epochs", type=int, default=200, help="training epochs (default 200)")
+    g.add_argument("--seed", type=int, default=0, help="seed of parameters, sampling and dropout (default 0)")
+    g.add_argument("--eval-every", type=int, default=10, help="evaluate every N epochs, 0 = only at the end (default 10)")
+    pre = g.add_mutually_exclusive_group()
+    pre.add_argument("--precompute", dest="precompute", action="store_true", default=None, help="precompute the first layer's full-graph aggregation (default: on for graphsage and gcn)")
+    pre.add_argument("--no-precompute", dest="precompute", action="store_false", help="aggregate the first layer every epoch")
+    g.add_argument("--inductive", action="store_true", help="train on the subgraph induced by training nodes, evaluate on the full graph")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda (set by --gpus / --procs)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
+    g.add_argument("--out", type=Path, help="run directory (default: a new runs/<timestamp>)")
+    g.add_argument("--log-json", type=Path, help="also write the per-epoch JSON lines here")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait before the job fails (default 300)")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
+    g.add_argument("--verify", action="store_true", help="check the SHA-256 of every partition file before training")
+    g.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def from_args(ns: argparse.Namespace) -> TrainConfig:
+    """Build a validated :class:`TrainConfig` from parsed flags (extra attributes ignored)."""
+    names = {f.name for f in fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    validate(config)
+    return config
+
+
+def validate(c: TrainConfig) -> None:
+    if not 0.0 <= c.p <= 1.0:
+        raise UserError(f"--p {c.p} is outside [0, 1]; pass a probability such as --p 0.1")
+    if c.model not in MODELS:
+        raise UserError(f"unknown model {c.model!r}; choose --model from {', '.join(MODELS)}")
+    if c.norm not in NORMS:
+        raise UserError(f"unknown norm {c.norm!r}; choose --norm from {', '.join(NORMS)}")
+    for flag, value in (("--layers", c.layers), ("--hidden", c.hidden), ("--heads", c.heads), ("--epochs", c.epochs), ("--keep-checkpoints", c.keep_checkpoints)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer")
+    for flag, value in (("--eval-every", c.eval_every), ("--checkpoint-every", c.checkpoint_every)):
+        if value < 0:
+            raise UserError(f"{flag} {value} must be 0 or a positive integer")
+    if not 0.0 <= c.dropout < 1.0:
+        raise UserError(f"--dropout {c.dropout} is outside [0, 1); pass e.g. --dropout 0.5")
+    if c.lr <= 0:
+        raise UserError(f"--lr {c.lr} must be positive")
+    if c.weight_decay < 0:
+        raise UserError(f"--weight-decay {c.weight_decay} must be 0 or positive")
+    if c.timeout <= 0:
+        raise UserError(f"--timeout {c.timeout} must be positive (seconds)")
+    if c.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
+    if c.threads is not None and c.threads < 1:
+        raise UserError(f"--threads {c.threads} must be a positive integer")
+    if c.use_precompute and c.model == "gat":
+        raise UserError("--precompute is not exact for gat (attention depends on the weights); drop --precompute")

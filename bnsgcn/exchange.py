@@ -1,0 +1,132 @@
+"""Moving boundary rows between ranks: plans, the autograd exchange, reusable buffers.
+
+Forward, each owner sends the rows of its inner nodes that other ranks sampled this
+epoch; backward, the gradients of those rows travel back and are added into the owner's
+inner-row gradients. One all-to-all per layer and direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import Comm
+from .shard import Topology, segment_counts
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Who sends which rows to whom this epoch.
+
+    ``send_index`` int64 [sum(send_counts)]: inner rows to send, grouped by destination
+    rank; ``recv_counts[q]``: rows arriving from rank q, in the order of the sampled
+    boundary nodes owned by q.
+    """
+
+    send_index: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+
+    @property
+    def num_received(self) -> int:
+        return sum(self.recv_counts)
+
+
+def full_plan(topology: Topology, device: torch.device) -> ExchangePlan:
+    """Every boundary row (p = 1, evaluation, precomputation): known without communication."""
+    return ExchangePlan(topology.send_nodes.to(device), list(topology.send_counts), list(topology.boundary_counts))
+
+
+def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> ExchangePlan:
+    """The plan for boundary columns ``keep`` (bool [n_boundary]) drawn with probability ``p``.
+
+    At p = 1 and p = 0 every rank knows the plan already; otherwise ranks tell owners which
+    boundary rows they kept (one byte per boundary node) and learn which rows others want.
+    All ranks must call this together.
+    """
+    if p >= 1.0:
+        return full_plan(topology, comm.device)
+    if p <= 0.0:
+        zeros = [0] * len(topology.send_counts)
+        return ExchangePlan(torch.empty(0, dtype=torch.int64, device=comm.device), zeros, list(zeros))
+    wanted = torch.empty(sum(topology.send_counts), dtype=torch.uint8)
+    comm.all_to_all(keep.to(torch.uint8), topology.boundary_counts, topology.send_counts, wanted, "selections")
+    wanted = wanted.bool()
+    return ExchangePlan(
+        send_index=topology.send_nodes[wanted].to(comm.device),
+        send_counts=segment_counts(wanted, topology.send_counts),
+        recv_counts=segment_counts(keep, topology.boundary_counts),
+    )
+
+
+class _Buffer:
+    """Flat storage that grows as needed and hands out contiguous views of it."""
+
+    def __init__(self) -> None:
+        self.storage: torch.Tensor | None = None
+
+    def view(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        s = self.storage
+        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
+            self.storage = s = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+        return s[:numel].view(shape)
+
+
+class BoundaryExchange:
+    """The boundary exchange of one model, reusing its buffers across layers and epochs.
+
+    Send and gradient-receive buffers are only alive during a collective and are shared
+    by all layers; each layer keeps its own receive buffer because the rows it receives
+    may be saved for its backward (GAT).
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.send_buffer = _Buffer()
+        self.grad_buffer = _Buffer()
+        self.recv_buffers: dict[int, _Buffer] = {}
+
+    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int) -> torch.Tensor:
+        """Rows of sampled boundary nodes. ``x_inner`` [n_inner, *row] -> [plan.num_received, *row]."""
+        recv = self.recv_buffers.setdefault(slot, _Buffer())
+        return _Exchange.apply(x_inner, plan, self, recv)
+
+    def send(self, x_inner: torch.Tensor, plan: ExchangePlan, recv: _Buffer, category: str) -> torch.Tensor:
+        row = tuple(x_inner.shape[1:])
+        send = self.send_buffer.view((plan.send_index.numel(), *row), x_inner)
+        torch.index_select(x_inner, 0, plan.send_index, out=send)
+        out = recv.view((plan.num_received, *row), x_inner)
+        return self.comm.all_to_all(send, plan.send_counts, plan.recv_counts, out, category)
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_inner, plan, exchange, recv):  # noqa: D102
+        ctx.plan, ctx.exchange, ctx.n_inner = plan, exchange, x_inner.shape[0]
+        return exchange.send(x_inner.detach(), plan, recv, "features")
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        plan, exchange = ctx.plan, ctx.exchange
+        grad_out = grad_out.contiguous()
+        row = tuple(grad_out.shape[1:])
+        grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_out)
+        exchange.comm.all_to_all(grad_out, plan.recv_counts, plan.send_counts, grad_send, "gradients")
+        grad_x = grad_out.new_zeros((ctx.n_inner, *row)).index_add_(0, plan.send_index, grad_send)
+        return grad_x, None, None, None
+
+
+@torch.no_grad()
+def fetch_boundary(comm: Comm, topology: Topology, values_inner: torch.Tensor) -> torch.Tensor:
+    """Values of every boundary node from its owner, once (setup, no autograd).
+
+    ``values_inner`` [n_inner, *row] -> [n_boundary, *row].
+    """
+    plan = full_plan(topology, values_inner.device)
+    send = values_inner.index_select(0, plan.send_index)
+    out = values_inner.new_empty((plan.num_received, *values_inner.shape[1:]))
+    return comm.all_to_all(send, plan.send_counts, plan.recv_counts, out, "control")

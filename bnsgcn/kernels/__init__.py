@@ -1,0 +1,23 @@
+"""Aggregation kernels: sparse-dense products and GAT attention over a CSR adjacency.
+
+Public API: :class:`Adjacency` (CSR plus its transpose, built once), :func:`spmm`
+(``Y = A X``) and :func:`gat_aggregate` (multi-head attention aggregation). Both are
+differentiable; their backward passes run over the prebuilt transpose, so nothing is
+transposed or converted at run time.
+
+Backend selection, one mechanism: the environment variable ``BNSGCN_KERNELS``, read at
+every call.
+
+* ``auto`` (default) or ``numba``: CPU tensors use multi-threaded numba kernels
+  (row-parallel, no atomics, as many threads as ``torch.get_num_threads()``).
+* ``torch``: CPU tensors use the pure-torch kernels too (a tested fallback).
+
+CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse``).
+"""
+
+from .adjacency import Adjacency
+from .backend import ENV_VAR, kernel_backend
+from .gat import gat_aggregate
+from .spmm import spmm
+
+__all__ = ["Adjacency", "spmm", "gat_aggregate", "kernel_backend", "ENV_VAR"]

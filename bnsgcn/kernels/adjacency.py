@@ -1,0 +1,164 @@
+"""Sparse adjacency in CSR together with its transpose, built once."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+
+_INT32_MAX = 2**31 - 1
+
+
+def _compact_index(index: Tensor, bound: int) -> Tensor:
+    """Index tensor as int32 when every value < ``bound`` fits (halves the bytes kernels read)."""
+    return index.to(torch.int32) if bound <= _INT32_MAX else index.to(torch.int64)
+
+
+class Adjacency:
+    r"""Sparse matrix :math:`A \in \mathbb{R}^{n_{rows} \times n_{cols}}` in CSR with its transpose.
+
+    Forward CSR: ``indptr`` int64 ``[n_rows + 1]``, ``indices`` ``[nnz]`` (column ids, ascending
+    within a row), ``values`` float ``[nnz]`` or ``None`` (every stored entry is 1).
+
+    Transposed CSR (built once by :meth:`from_csr`, never at run time): ``t_indptr`` int64
+    ``[n_cols + 1]``, ``t_indices`` ``[nnz]`` (row ids, ascending within a column), ``t_edge``
+    ``[nnz]`` (for each transposed entry the id of the same entry in forward order) and
+    ``t_values = values[t_edge]`` (or ``None``).
+
+    Index tensors are stored as int32 whenever the ids fit (int64 otherwise): kernels are
+    memory-bound, and 4-byte indices cut the bytes they read.
+    """
+
+    __slots__ = ("indptr", "indices", "values", "t_indptr", "t_indices", "t_edge", "t_values", "n_rows", "n_cols")
+
+    def __init__(
+        self,
+        indptr: Tensor,
+        indices: Tensor,
+        values: Tensor | None,
+        t_indptr: Tensor,
+        t_indices: Tensor,
+        t_edge: Tensor,
+        t_values: Tensor | None,
+        n_cols: int,
+    ) -> None:
+        """Wrap already consistent tensors; use :meth:`from_csr` to build from user data."""
+        self.indptr = indptr
+        self.indices = indices
+        self.values = values
+        self.t_indptr = t_indptr
+        self.t_indices = t_indices
+        self.t_edge = t_edge
+        self.t_values = t_values
+        self.n_rows = indptr.numel() - 1
+        self.n_cols = n_cols
+
+    @classmethod
+    def from_csr(cls, indptr: Tensor, indices: Tensor, n_cols: int, values: Tensor | None = None) -> Adjacency:
+        """Validate a CSR matrix and build its transpose (O(nnz log nnz), once)."""
+        indptr = torch.as_tensor(indptr)
+        indices = torch.as_tensor(indices)
+        if indptr.dim() != 1 or indptr.numel() < 1 or indptr.is_floating_point():
+            raise UserError("CSR indptr must be a 1-D integer tensor of length n_rows + 1; pass the row pointer array")
+        if indices.dim() != 1 or indices.is_floating_point():
+            raise UserError("CSR indices must be a 1-D integer tensor; pass the column id array")
+        indptr = indptr.to(torch.int64)
+        nnz = indices.numel()
+        if int(indptr[0]) != 0 or int(indptr[-1]) != nnz or bool((indptr[1:] < indptr[:-1]).any()):
+            raise UserError(f"CSR indptr must start at 0, be non-decreasing and end at nnz={nnz}; rebuild the CSR arrays")
+        if n_cols < 0 or (nnz and (int(indices.min()) < 0 or int(indices.max()) >= n_cols)):
+            raise UserError(f"CSR column ids must lie in [0, n_cols={n_cols}); pass the right n_cols or fix the indices")
+        if nnz > 1:
+            row_start = torch.zeros(nnz, dtype=torch.bool, device=indices.device)
+            row_start[indptr[:-1][indptr[:-1] < nnz]] = True
+            if bool(((indices[1:] < indices[:-1]) & ~row_start[1:]).any()):
+                raise UserError("CSR column ids must be ascending within each row; sort each row's columns")
+        if values is not None:
+            values = torch.as_tensor(values)
+            if values.shape != (nnz,) or not values.is_floating_point():
+                raise UserError(f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array")
+
+        indices = _compact_index(indices, max(n_cols, indptr.numel()))
+        # Stable sort keeps the row-major order inside each column: rows stay ascending there.
+        t_edge = torch.sort(indices, stable=True).indices
+        rows = torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indptr.device), indptr.diff())
+        t_indptr = torch.zeros(n_cols + 1, dtype=torch.int64, device=indptr.device)
+        torch.cumsum(torch.bincount(indices, minlength=n_cols), 0, out=t_indptr[1:])
+        t_edge = _compact_index(t_edge, nnz)
+        t_indices = rows[t_edge].to(indices.dtype)
+        t_values = None if values is None else values[t_edge]
+        return cls(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
+
+    @property
+    def nnz(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.indptr.device
+
+    def with_values(self, values: Tensor | None) -> Adjacency:
+        """Same sparsity structure (the transpose is shared, not rebuilt), new ``values [nnz]``."""
+        if values is not None and (values.shape != (self.nnz,) or not values.is_floating_point()):
+            raise UserError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
+        t_values = None if values is None else values[self.t_edge]
+        return Adjacency(
+            self.indptr, self.indices, values, self.t_indptr, self.t_indices, self.t_edge, t_values, self.n_cols
+        )
+
+    def select_columns(self, keep: Tensor) -> Adjacency:
+        """Keep the columns where ``keep [n_cols]`` (bool) is true, renumbered ``0..k-1`` in order.
+
+        Both CSRs are filtered in O(nnz) with vectorised ops; nothing is re-sorted. Kept entries
+        keep their relative order, so forward rows and transposed columns stay sorted.
+        """
+        if keep.shape != (self.n_cols,) or keep.dtype != torch.bool:
+            raise UserError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
+        keep = keep.to(self.device)
+        new_column = torch.cumsum(keep, 0) - 1
+        edge_kept = keep[self.indices]
+        # kept_before[e] = number of kept entries before forward entry e = its new edge id.
+        kept_before = torch.zeros(self.nnz + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(edge_kept, 0, out=kept_before[1:])
+        indptr = kept_before[self.indptr]
+        # Renumbered ids are no larger than the old ones: the index dtypes carry over.
+        indices = new_column[self.indices[edge_kept]].to(self.indices.dtype)
+        values = None if self.values is None else self.values[edge_kept]
+
+        # Transposed rows are whole columns: keep or drop each segment.
+        t_kept = edge_kept[self.t_edge]
+        column_nnz = self.t_indptr.diff()[keep]
+        t_indptr = torch.zeros(column_nnz.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(column_nnz, 0, out=t_indptr[1:])
+        t_indices = self.t_indices[t_kept]
+        t_edge = kept_before[self.t_edge[t_kept].to(torch.int64)].to(self.t_edge.dtype)
+        t_values = None if self.t_values is None else self.t_values[t_kept]
+        return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, column_nnz.numel())
+
+    def row_sums(self) -> Tensor:
+        """Float ``[n_rows]``: sum of the values of each row (entry count if ``values`` is None)."""
+        if self.values is None:
+            return self.indptr.diff().to(torch.get_default_dtype())
+        return torch.segment_reduce(self.values, "sum", offsets=self.indptr, axis=0)
+
+    def to(self, device: torch.device | str) -> Adjacency:
+        """Copy of every tensor on ``device``."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Adjacency(
+            move(self.indptr),
+            move(self.indices),
+            move(self.values),
+            move(self.t_indptr),
+            move(self.t_indices),
+            move(self.t_edge),
+            move(self.t_values),
+            self.n_cols,
+        )
+
+    def __repr__(self) -> str:
+        weighted = "weighted" if self.values is not None else "unweighted"
+        return f"Adjacency({self.n_rows} x {self.n_cols}, nnz={self.nnz}, {weighted}, {self.device})"

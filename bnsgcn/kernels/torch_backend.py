@@ -1,0 +1,115 @@
+"""Pure-torch kernels: cuSPARSE/MKL through ``torch.sparse`` plus segment reductions.
+
+Used on CUDA and as the CPU fallback (``BNSGCN_KERNELS=torch``). Every temporary is
+O(nnz * H) or O(n * d); nothing is O(nnz * d).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from .adjacency import Adjacency
+
+_INT32_MAX = 2**31 - 1
+
+
+def _csr_tensor(indptr: Tensor, indices: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    """Wrap CSR arrays as a torch sparse CSR tensor without copying the big arrays."""
+    # torch requires crow and col indices of one dtype: int32 when nnz fits, else int64.
+    index_dtype = torch.int32 if indices.dtype == torch.int32 and indices.numel() <= _INT32_MAX else torch.int64
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(
+            indptr.to(index_dtype), indices.to(index_dtype), values, size=shape, check_invariants=False
+        )
+
+
+def _values_or_ones(values: Tensor | None, nnz: int, like: Tensor) -> Tensor:
+    if values is None:
+        return torch.ones(nnz, dtype=like.dtype, device=like.device)
+    return values.to(like.dtype)
+
+
+def _rows_of_entries(indptr: Tensor) -> Tensor:
+    """int64 ``[nnz]``: the row id of each stored entry."""
+    return torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indptr.device), indptr.diff())
+
+
+def spmm(adj: Adjacency, x: Tensor) -> Tensor:
+    """``A x``: ``x [n_cols, d] -> [n_rows, d]``."""
+    a = _csr_tensor(adj.indptr, adj.indices, _values_or_ones(adj.values, adj.nnz, x), (adj.n_rows, adj.n_cols))
+    return torch.sparse.mm(a, x)
+
+
+def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
+    """``A^T y`` through the prebuilt transposed CSR: ``y [n_rows, d] -> [n_cols, d]``."""
+    a_t = _csr_tensor(adj.t_indptr, adj.t_indices, _values_or_ones(adj.t_values, adj.nnz, y), (adj.n_cols, adj.n_rows))
+    return torch.sparse.mm(a_t, y)
+
+
+def _per_head_spmm(indptr: Tensor, indices: Tensor, weights: Tensor, x: Tensor, n_rows: int) -> Tensor:
+    """``out[:, h] = W_h x[:, h]`` with ``W_h`` the CSR pattern carrying ``weights[:, h]``."""
+    heads = weights.shape[1]
+    out = x.new_empty(n_rows, heads, x.shape[2])
+    for h in range(heads):
+        w_h = _csr_tensor(indptr, indices, weights[:, h].contiguous(), (n_rows, x.shape[0]))
+        out[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
+    return out
+
+
+def gat_forward(
+    adj: Adjacency, x: Tensor, score_src: Tensor, score_dst: Tensor, col_weight: Tensor | None, negative_slope: float
+) -> tuple[Tensor, Tensor]:
+    """Attention aggregation; returns ``(Y [n_rows, H, D], alpha [nnz, H])``."""
+    rows = _rows_of_entries(adj.indptr)
+    cols = adj.indices
+    e = torch.nn.functional.leaky_relu(score_src[cols] + score_dst[rows], negative_slope)
+    row_max = torch.segment_reduce(e, "max", offsets=adj.indptr, axis=0)
+    p = torch.exp(e - row_max[rows])
+    if col_weight is not None:
+        p *= col_weight.to(p.dtype)[cols].unsqueeze(1)
+    denominator = torch.segment_reduce(p, "sum", offsets=adj.indptr, axis=0)
+    # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
+    alpha = p / denominator.clamp_min(torch.finfo(p.dtype).tiny)[rows]
+    return _per_head_spmm(adj.indptr, adj.indices, alpha, x, adj.n_rows), alpha
+
+
+def _sampled_dot(adj: Adjacency, dy: Tensor, x: Tensor) -> Tensor:
+    """SDDMM: ``g[e, h] = <dy[v, h], x[u, h]>`` for every stored entry ``e = (v, u)``."""
+    heads = x.shape[1]
+    g = x.new_empty(adj.nnz, heads)
+    pattern = _csr_tensor(adj.indptr, adj.indices, x.new_zeros(adj.nnz), (adj.n_rows, adj.n_cols))
+    for h in range(heads):
+        sampled = torch.sparse.sampled_addmm(pattern, dy[:, h], x[:, h].transpose(0, 1), beta=0.0)
+        g[:, h] = sampled.values()
+    return g
+
+
+def gat_backward(
+    adj: Adjacency,
+    x: Tensor,
+    score_src: Tensor,
+    score_dst: Tensor,
+    alpha: Tensor,
+    dy: Tensor,
+    negative_slope: float,
+    need_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`."""
+    rows = _rows_of_entries(adj.indptr)
+    cols = adj.indices
+    g = _sampled_dot(adj, dy, x)
+    # Softmax backward per row: de = alpha * (g - sum_u alpha g).
+    row_dot = torch.segment_reduce(alpha * g, "sum", offsets=adj.indptr, axis=0)
+    de = alpha * (g - row_dot[rows])
+    pre_activation = score_src[cols] + score_dst[rows]
+    ds = torch.where(pre_activation > 0, de, de * negative_slope)
+    d_dst = torch.segment_reduce(ds, "sum", offsets=adj.indptr, axis=0)
+    d_src = torch.segment_reduce(ds[adj.t_edge], "sum", offsets=adj.t_indptr, axis=0)
+    dx = None
+    if need_dx:
+        dx = _per_head_spmm(adj.t_indptr, adj.t_indices, alpha[adj.t_edge], dy, adj.n_cols)
+    return dx, d_src, d_dst

@@ -1,0 +1,105 @@
+"""Distributed GNN layers: each aggregates over an :class:`~bnsgcn.graph.EpochGraph`.
+
+Every layer takes the rows of this rank's inner nodes, ``x`` [n_inner, d_in], fetches the
+rows of sampled boundary nodes through the graph's exchange, and returns
+[n_inner, d_out]. Where the result is the same either way (GraphSAGE, GCN), a layer
+aggregates before or after its dense product, whichever moves fewer columns: aggregate
+first when ``d_in <= d_out``, multiply first otherwise; this also shrinks what is sent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .graph import EpochGraph
+from .kernels import gat_aggregate, spmm
+
+
+def aggregate(g: EpochGraph, x: Tensor, slot: int) -> Tensor:
+    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d]."""
+    out = spmm(g.inner, x)
+    return out + spmm(g.boundary, g.boundary_rows(x, slot))
+
+
+class SAGEConv(nn.Module):
+    r"""GraphSAGE with mean aggregation (self-loop included in the neighbourhood).
+
+    .. math:: h'_v = W_s h_v + W_n \frac{1}{\deg(v)} \sum_{u \in N(v) \cup \{v\}} h_u + b
+
+    With a precomputed ``x_agg`` (the first layer's full-graph mean) nothing is exchanged.
+    """
+
+    def __init__(self, d_in: int, d_out: int, slot: int):
+        super().__init__()
+        self.slot = slot
+        self.lin_self = nn.Linear(d_in, d_out)
+        self.lin_neigh = nn.Linear(d_in, d_out, bias=False)
+
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+        if x_agg is not None:
+            return self.lin_self(x) + self.lin_neigh(x_agg)
+        if self.lin_neigh.in_features <= self.lin_neigh.out_features:
+            return self.lin_self(x) + self.lin_neigh(aggregate(g, x, self.slot))
+        return self.lin_self(x) + aggregate(g, self.lin_neigh(x), self.slot)
+
+
+class GCNConv(nn.Module):
+    r"""GCN with symmetric normalisation by full-graph degrees (self-loop included).
+
+    .. math:: h'_v = \sum_{u \in N(v) \cup \{v\}} \frac{W h_u}{\sqrt{\deg(u)\deg(v)}} + b
+    """
+
+    def __init__(self, d_in: int, d_out: int, slot: int):
+        super().__init__()
+        self.slot = slot
+        self.lin = nn.Linear(d_in, d_out, bias=False)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+        if x_agg is not None:
+            return self.lin(x_agg) + self.bias
+        if self.lin.in_features <= self.lin.out_features:
+            return self.lin(aggregate(g, x, self.slot)) + self.bias
+        return aggregate(g, self.lin(x), self.slot) + self.bias
+
+
+class GATConv(nn.Module):
+    r"""Multi-head graph attention over the sampled graph (self-loop included).
+
+    .. math::
+        z_u = W h_u,\quad e_{vu} = \mathrm{LeakyReLU}(a_s^\top z_u + a_d^\top z_v),\quad
+        \alpha_{vu} = \frac{w_u e^{e_{vu}}}{\sum_{u'} w_{u'} e^{e_{vu'}}},\quad
+        h'_v = \Vert_{k=1}^{H} \sum_u \alpha^k_{vu} z^k_u + b
+
+    ``w_u = 1/p`` for sampled boundary nodes (1 otherwise) keeps the softmax denominator
+    unbiased. Heads are concatenated, or averaged when ``concat=False`` (output layer).
+    Whichever of ``h`` [d_in] and ``z`` [H*D] is narrower is what crosses the network.
+    """
+
+    def __init__(self, d_in: int, d_out: int, heads: int, slot: int, concat: bool = True, negative_slope: float = 0.2):
+        super().__init__()
+        self.slot, self.heads, self.d_out, self.concat, self.negative_slope = slot, heads, d_out, concat, negative_slope
+        self.lin = nn.Linear(d_in, heads * d_out, bias=False)
+        self.att_src = nn.Parameter(torch.empty(heads, d_out))
+        self.att_dst = nn.Parameter(torch.empty(heads, d_out))
+        self.bias = nn.Parameter(torch.zeros(heads * d_out if concat else d_out))
+        bound = math.sqrt(6.0 / (heads + d_out))
+        nn.init.uniform_(self.att_src, -bound, bound)
+        nn.init.uniform_(self.att_dst, -bound, bound)
+
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+        assert x_agg is None, "GAT has no precomputed first layer"
+        z = self.lin(x).view(-1, self.heads, self.d_out)
+        if self.lin.in_features < self.heads * self.d_out:
+            z_boundary = self.lin(g.boundary_rows(x, self.slot)).view(-1, self.heads, self.d_out)
+        else:
+            z_boundary = g.boundary_rows(z, self.slot)
+        z_all = torch.cat([z, z_boundary])
+        score_src = (z_all * self.att_src).sum(-1)
+        score_dst = (z * self.att_dst).sum(-1)
+        out = gat_aggregate(g.full, z_all, score_src, score_dst, g.column_weight, self.negative_slope)
+        out = out.reshape(out.shape[0], -1) if self.concat else out.mean(1)
+        return out + self.bias

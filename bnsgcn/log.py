@@ -1,0 +1,42 @@
+"""Rank-prefixed logging and the run directory's JSON-lines metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def setup_logging(rank: int, log_file: Path | None = None) -> logging.Logger:
+    """A logger whose lines start with ``[rank R]``; rank 0 also writes ``log_file``."""
+    logger = logging.getLogger("bnsgcn")
+    logger.handlers.clear()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    fmt = logging.Formatter(f"[rank {rank}] %(message)s")
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    logger.addHandler(stream)
+    if log_file is not None:
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl`` (and a copy to ``--log-json``)."""
+
+    def __init__(self, paths: list[Path], append: bool = False):
+        self.handles = [open(p, "a" if append else "w") for p in paths]
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record) + "\n"
+        for handle in self.handles:
+            handle.write(line)
+            handle.flush()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()

@@ -1,0 +1,142 @@
+"""Progress display for long steps, shared by the partition step and training.
+
+Two forms:
+
+* :class:`Progress` counts units of work (partitions written, epochs run). On a terminal it
+  keeps one line up to date (``\\r``) with count/total, percent, rate and ETA; when the
+  stream is not a terminal (a log file, CI) it writes a plain line at most every
+  ``interval`` seconds and one at the end, so logs stay short.
+* :func:`step` times one long step without a count: ``desc ... done in X.Xs``.
+
+Both write to ``sys.stderr`` by default so that standard output stays for results, and
+both can be switched off with ``enabled=False``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+
+def _duration(seconds: float) -> str:
+    """``42.0s``, ``3m05s``, ``2h01m``: short enough for one status line."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _is_tty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class Progress:
+    """Counts completed units of work and shows count, percent, rate and ETA.
+
+    Args:
+        total: number of units expected, or ``None`` when unknown (no percent or ETA then).
+        desc: what is being done, e.g. ``"writing partitions"``.
+        stream: where to write (default ``sys.stderr``).
+        enabled: ``False`` writes nothing (the object still counts).
+        interval: seconds between plain lines when ``stream`` is not a terminal.
+
+    Use as a context manager; leaving the block writes the final line.
+    """
+
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        stream: TextIO | None = None,
+        *,
+        enabled: bool = True,
+        interval: float = 5.0,
+    ) -> None:
+        self.total = total
+        self.desc = desc
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled
+        self.interval = interval
+        self.count = 0
+        self._tty = _is_tty(self.stream)
+        self._start = time.perf_counter()
+        self._last_write = self._start
+        self._closed = False
+
+    def __enter__(self) -> Progress:
+        if self._tty:
+            self._write(final=False)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        """Record ``n`` more completed units and refresh the display when due."""
+        self.count += n
+        now = time.perf_counter()
+        if self._tty or now - self._last_write >= self.interval:
+            self._last_write = now
+            self._write(final=False)
+
+    def close(self) -> None:
+        """Write the final line (once)."""
+        if not self._closed:
+            self._closed = True
+            self._write(final=True)
+
+    def line(self) -> str:
+        """The current status text: ``desc: 3/8 (37%) 1.2/s, ETA 4.1s``."""
+        elapsed = time.perf_counter() - self._start
+        rate = self.count / elapsed if elapsed > 0 else 0.0
+        if self.total is None:
+            return f"{self.desc}: {self.count} ({rate:.3g}/s, {_duration(elapsed)})"
+        percent = 100.0 * self.count / self.total if self.total else 100.0
+        text = f"{self.desc}: {self.count}/{self.total} ({percent:.0f}%) {rate:.3g}/s"
+        if self.count >= self.total:
+            return f"{text}, done in {_duration(elapsed)}"
+        eta = (self.total - self.count) / rate if rate > 0 else None
+        return f"{text}, ETA {_duration(eta) if eta is not None else '?'}"
+
+    def _write(self, final: bool) -> None:
+        if not self.enabled:
+            return
+        if self._tty:
+            # \x1b[K clears what a longer previous line left behind.
+            self.stream.write("\r" + self.line() + "\x1b[K" + ("\n" if final else ""))
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+
+@contextmanager
+def step(desc: str, stream: TextIO | None = None, *, enabled: bool = True) -> Iterator[None]:
+    """Time one long step: writes ``desc ...`` then ``desc ... done in X.Xs``.
+
+    On a terminal both go on one line; otherwise the start gets its own line so a log
+    shows what was running if the step never finishes. A step that raises is reported as
+    ``desc ... failed after X.Xs`` and the exception propagates.
+    """
+    stream = sys.stderr if stream is None else stream
+    tty = _is_tty(stream)
+    start = time.perf_counter()
+    if enabled:
+        stream.write(f"{desc} ..." + ("" if tty else "\n"))
+        stream.flush()
+    outcome = "failed after"
+    try:
+        yield
+        outcome = "done in"
+    finally:
+        if enabled:
+            elapsed = time.perf_counter() - start
+            prefix = "\r" if tty else ""
+            stream.write(f"{prefix}{desc} ... {outcome} {elapsed:.1f}s\n")
+            stream.flush()

@@ -1,0 +1,257 @@
+"""One rank of a training job, top to bottom.
+
+setup: join the job -> load this rank's shard -> build the normalised graphs ->
+precompute the first layer's aggregation -> build the model, optimizer, reducer.
+every epoch: sample boundary nodes -> exchange selections -> forward (boundary rows by
+all-to-all) -> loss over local training nodes / global count -> backward (gradients of
+boundary rows back to their owners; parameter gradients all-reduced in buckets) -> step
+-> evaluate every ``eval_every`` epochs -> one JSON line -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import checkpoint
+from .comm import Comm, init_from_env
+from .config import TrainConfig
+from .errors import UserError
+from .exchange import BoundaryExchange, fetch_boundary, full_plan, make_plan
+from .format import set_id
+from .graph import ShardGraph
+from .kernels import spmm
+from .log import MetricsWriter, setup_logging
+from .model import GNN
+from .reducer import GradientReducer
+from .sampler import derive_seed, sample_boundary
+from .shard import Shard, Topology, load_shard
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class GraphInputs:
+    """What a forward pass over one graph (training or evaluation) needs."""
+
+    topology: Topology
+    graph: ShardGraph
+    features: Tensor
+    x_agg: Tensor | None
+    labels: Tensor
+    train_mask: Tensor
+
+
+def run(config: TrainConfig) -> dict:
+    """Run one rank of the job described by the environment (see :func:`bnsgcn.comm.init_from_env`)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    comm = init_from_env(config.device, config.timeout)
+    try:
+        return _train(config, comm)
+    finally:
+        comm.close()
+
+
+def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
+    """Rank 0 picks and creates the run directory; every rank learns it."""
+    error = None
+    run_dir = config.out
+    if comm.rank == 0:
+        if run_dir is None:
+            if config.resume:
+                error = "--resume needs --out RUN_DIR naming the run to continue"
+            run_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+            suffix = 1
+            while run_dir.exists():
+                run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
+                suffix += 1
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            error = f"cannot write the run directory {run_dir} ({exc.strerror}); pass a writable --out"
+    run_dir, error = comm.broadcast_object((run_dir, error))
+    if error:
+        raise UserError(error)
+    return Path(run_dir)
+
+
+def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topology, features: Tensor, labels: Tensor, train_mask: Tensor) -> GraphInputs:
+    graph = ShardGraph(topology, config.model, comm.device)
+    x_agg = None
+    if config.use_precompute:
+        # The first layer's aggregation never changes: compute it once over the full graph.
+        boundary_x = fetch_boundary(comm, topology, features)
+        with torch.no_grad():
+            x_agg = spmm(graph.inner, features) + spmm(graph.boundary, boundary_x)
+    return GraphInputs(topology, graph, features, x_agg, labels, train_mask)
+
+
+def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInputs:
+    """The subgraph induced by training nodes, with that subgraph's degrees."""
+    topo = shard.topology
+    train_cpu = shard.train_mask.cpu()
+    boundary_train = fetch_boundary(comm, topo, train_cpu.to(torch.uint8)).bool()
+    sub = topo.induced(train_cpu, boundary_train, train_cpu[topo.send_nodes])
+    sub.degree[sub.n_inner :] = fetch_boundary(comm, sub, sub.degree[: sub.n_inner].contiguous())
+    rows = shard.train_mask
+    ones = torch.ones(sub.n_inner, dtype=torch.bool, device=comm.device)
+    return _graph_inputs(config, comm, shard, sub, shard.features[rows], shard.labels[rows], ones)
+
+
+def _loss_sum(logits: Tensor, labels: Tensor, multilabel: bool) -> Tensor:
+    if multilabel:
+        return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def _score_counts(logits: Tensor, shard: Shard) -> Tensor:
+    """Per split (train, val, test): [correct, total, 0] or [tp, fp, fn] for multi-label."""
+    rows = []
+    for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
+        if shard.multilabel:
+            pred, true = logits[mask] > 0, shard.labels[mask] > 0.5
+            rows.append([(pred & true).sum(), (pred & ~true).sum(), (~pred & true).sum()])
+        else:
+            correct = (logits[mask].argmax(1) == shard.labels[mask]).sum()
+            rows.append([correct, mask.sum(), torch.zeros((), device=logits.device)])
+    return torch.tensor([[float(v) for v in r] for r in rows], dtype=torch.float64)
+
+
+def _scores(counts: Tensor, multilabel: bool) -> dict[str, float]:
+    out = {}
+    for name, (a, b, c) in zip(SPLITS, counts.tolist()):
+        if multilabel:
+            out[f"{name}_score"] = 2 * a / max(2 * a + b + c, 1)
+        else:
+            out[f"{name}_score"] = a / max(b, 1)
+    return out
+
+
+def _train(config: TrainConfig, comm: Comm) -> dict:
+    run_dir = _resolve_run_dir(config, comm)
+    log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    if config.parts_dir is None:
+        raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
+    shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
+    topo = shard.topology
+    log.info("partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s)", comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend)
+
+    eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
+    train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
+    global_train = int(comm.all_reduce(torch.tensor([float(train_inputs.train_mask.sum())], device=comm.device))[0])
+    if global_train == 0:
+        raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
+
+    torch.manual_seed(config.seed)  # identical initial parameters on every rank
+    model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    reducer = GradientReducer(model, comm)
+    exchange = BoundaryExchange(comm)
+    signature = {"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()}
+
+    start_epoch, best = 0, {"val_score": -1.0, "epoch": -1, "test_score": None, "state": None}
+    if config.resume:
+        state = checkpoint.load_latest(run_dir, signature)
+        if state is None:
+            log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(run_dir))
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            start_epoch, best = state["epoch"], state["best"]
+            log.info("resumed from epoch %d", start_epoch)
+    if comm.rank == 0:
+        (run_dir / "config.json").write_text(json.dumps(config.to_json() | {"world_size": comm.world_size, "run_dir": str(run_dir)}, indent=1) + "\n")
+    metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
+    metrics = MetricsWriter(metric_paths, append=start_epoch > 0) if comm.rank == 0 else None
+
+    last_loss = float("nan")
+    for epoch in range(start_epoch, config.epochs):
+        comm.stats.reset()
+        t0 = time.perf_counter()
+        # sample -> exchange selections
+        keep = sample_boundary(train_inputs.topology.n_boundary, config.p, config.seed, comm.rank, epoch)
+        plan = make_plan(comm, train_inputs.topology, keep, config.p)
+        g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
+        t_sample = time.perf_counter() - t0
+        # forward / backward / reduce / step
+        model.train()
+        torch.manual_seed(derive_seed(config.seed, comm.rank, epoch, 1))  # dropout
+        logits = model(train_inputs.features, g, train_inputs.x_agg)
+        mask = train_inputs.train_mask
+        loss_sum = _loss_sum(logits[mask], train_inputs.labels[mask], shard.multilabel)
+        optimizer.zero_grad(set_to_none=False)
+        (loss_sum / global_train).backward()
+        t_reduce = time.perf_counter()
+        reducer.finish()
+        t_reduce = time.perf_counter() - t_reduce
+        optimizer.step()
+        epoch_time = time.perf_counter() - t0
+        # per-rank figures, gathered with the loss in one small all-reduce
+        stats = comm.stats
+        row = torch.zeros(comm.world_size, 8, dtype=torch.float64)
+        exchange_s = stats.seconds["features"] + stats.seconds["gradients"]
+        row[comm.rank] = torch.tensor([
+            float(loss_sum.detach()), plan.num_received, epoch_time, t_sample, exchange_s, t_reduce,
+            sum(stats.sent.values()), sum(stats.received.values()),
+        ], dtype=torch.float64)
+        table = comm.all_reduce(row.to(comm.device)).cpu()
+        last_loss = float(table[:, 0].sum()) / global_train
+        record = {
+            "epoch": epoch + 1,
+            "loss": last_loss,
+            "sampled_boundary": int(table[:, 1].sum()),
+            "time": {
+                "epoch": float(table[:, 2].max()),
+                "sampling": float(table[:, 3].max()),
+                "exchange": float(table[:, 4].max()),
+                "reduction": float(table[:, 5].max()),
+                "compute": float((table[:, 2] - table[:, 3] - table[:, 4] - table[:, 5]).max()),
+            },
+            "bytes_sent": int(table[:, 6].sum()),
+            "bytes_received": int(table[:, 7].sum()),
+        }
+        if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
+            scores = _evaluate(model, eval_inputs, shard, comm, exchange)
+            record.update(scores)
+            if scores["val_score"] > best["val_score"]:
+                best = {"val_score": scores["val_score"], "epoch": epoch + 1, "test_score": scores["test_score"], "state": copy.deepcopy(model.state_dict())}
+            log.info("epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)", epoch + 1, last_loss, scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"])
+        if metrics:
+            metrics.write(record)
+        if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0 and comm.rank == 0:
+            checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
+        if config.checkpoint_every:
+            comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
+
+    summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best["val_score"], "best_epoch": best["epoch"], "test_score": best["test_score"], "run_dir": str(run_dir)}
+    if comm.rank == 0:
+        if best["state"] is not None:
+            torch.save(best["state"], run_dir / "best_model.pt")
+        metrics.write(summary)
+        metrics.close()
+        log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best["val_score"], best["epoch"], best["test_score"], run_dir)
+    return summary | {"model": model}
+
+
+@torch.no_grad()
+def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchange: BoundaryExchange) -> dict[str, float]:
+    """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
+    model.eval()
+    topo = inputs.topology
+    keep = torch.ones(topo.n_boundary, dtype=torch.bool)
+    g = inputs.graph.epoch(keep, 1.0, full_plan(topo, comm.device), exchange)
+    logits = model(inputs.features, g, inputs.x_agg)
+    counts = comm.all_reduce(_score_counts(logits, shard).to(comm.device)).cpu()
+    return _scores(counts, shard.multilabel)

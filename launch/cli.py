@@ -1,0 +1,214 @@
+"""``bnsgcn-train``: train on a partition set with one rank per partition.
+
+Two modes, chosen from the environment (docs/cli.md has examples of each):
+
+* **one rank** -- under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) or as
+  one task of a multi-task ``srun`` step, this process is one rank and trains in-process.
+* **local** -- otherwise this process starts the local ranks of the job as child
+  processes (``python -m launch.rank``) and supervises them: ``--gpus N`` one CUDA GPU
+  each (NCCL), ``--procs N`` on CPU (gloo), neither: one CPU rank per partition of the
+  set. ``--nnodes``/``--node-rank`` run the same command once per machine.
+
+Problems that can be seen before any rank starts (GPU count, partition set, rank count,
+master port, flags) are reported as one ``error:`` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from bnsgcn.config import TrainConfig, from_args
+from bnsgcn.errors import UserError
+
+from .discover import DEFAULT_SEARCH_ROOT, PartitionSet, check_world_size, choose_partition_set
+from .environment import RankEnvironment, detect_rank_environment, threads_per_rank
+from .network import DEFAULT_MASTER_PORT, check_port_number, free_port, port_in_use
+from .rank import report_errors, train, training_parser
+from .supervisor import Child, supervise
+
+PROG = "bnsgcn-train"
+# Where `python -m launch.rank` finds this very package, whatever the children's cwd.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags that say where the ranks run (documented in docs/cli.md)."""
+    group = parser.add_argument_group("launch")
+    where = group.add_mutually_exclusive_group()
+    where.add_argument("--gpus", type=int, metavar="N", help="start N ranks on this machine, one CUDA GPU each (NCCL)")
+    where.add_argument("--procs", type=int, metavar="N", help="start N ranks on this machine, on CPU (gloo)")
+    group.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running this command (default 1)")
+    group.add_argument("--node-rank", type=int, default=0, help="index of this machine in [0, nnodes); node 0 hosts rank 0 (default 0)")
+    group.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node (default 127.0.0.1)")
+    group.add_argument(
+        "--master-port", type=int, default=None,
+        help=f"TCP port of rank 0 on node 0 (default: a free port on a single machine, {DEFAULT_MASTER_PORT} with --nnodes > 1 or under SLURM)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = training_parser(PROG, "Train a GNN on a partition set, one rank per partition (BNS-GCN). See docs/cli.md.")
+    add_launch_arguments(parser)
+    return parser
+
+
+def training_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the launch flags: the command line every rank receives."""
+    launch_only = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_launch_arguments(launch_only)
+    return launch_only.parse_known_args(list(argv))[1]
+
+
+def check_launch_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--gpus", args.gpus), ("--procs", args.procs)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer (ranks on this machine)")
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes {args.nnodes} must be at least 1 (machines in the job)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}) for --nnodes {args.nnodes}; number the machines 0 to {args.nnodes - 1}")
+    if args.master_port is not None:
+        check_port_number(args.master_port)
+
+
+def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
+    """``--gpus`` means cuda, ``--procs`` cpu; otherwise ``--device`` (possibly "auto")."""
+    if args.gpus is not None:
+        if config.device == "cpu":
+            raise UserError("--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks")
+        return "cuda"
+    if args.procs is not None:
+        if config.device == "cuda":
+            raise UserError("--procs starts CPU ranks but --device cuda was given; use --gpus N for GPU ranks")
+        return "cpu"
+    return config.device
+
+
+def require_gpus(needed: int, what: str, fix: str) -> None:
+    """Fail before starting ranks when this machine has fewer than ``needed`` CUDA GPUs."""
+    # Imported here: torch takes seconds to import and only GPU runs need it in the launcher.
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < needed:
+        raise UserError(f"{what} needs {needed} CUDA GPU{'s' if needed > 1 else ''} but this machine has {have}; {fix}")
+
+
+def announce(partition_set: PartitionSet, search_root: Path) -> None:
+    print(f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir picks another)", flush=True)
+
+
+def ranks_per_node(partition_set: PartitionSet, nnodes: int) -> int:
+    """Without --gpus/--procs: the set's partitions spread evenly over the machines."""
+    if partition_set.parts % nnodes:
+        raise UserError(f"partition set {partition_set.describe()} does not split evenly over --nnodes {nnodes}; pass --procs N (ranks per machine)")
+    return partition_set.parts // nnodes
+
+
+def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT) -> list[Child]:
+    """Check everything that can fail before training and return this machine's ranks.
+
+    Ranks ``node_rank * N + i`` for ``i < N`` of ``nnodes * N``; every child gets the
+    training flags plus the resolved ``--parts-dir``, ``--device`` and ``--threads``.
+    """
+    check_launch_flags(args)
+    config = from_args(args)
+    device = choose_device(args, config)
+    if device == "auto":  # local ranks run on CPU unless GPUs are asked for
+        device = "cpu"
+    local = args.gpus if args.gpus is not None else args.procs
+    if local is not None and device == "cuda":
+        require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
+    partition_set = choose_partition_set(config.parts_dir, None if local is None else local * args.nnodes, search_root)
+    if config.parts_dir is None:
+        announce(partition_set, search_root)
+    if local is None:
+        local = ranks_per_node(partition_set, args.nnodes)
+        if device == "cuda":
+            require_gpus(local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead")
+    world_size = local * args.nnodes
+    check_world_size(partition_set, world_size)
+
+    port = args.master_port
+    if port is None:
+        port = free_port() if args.nnodes == 1 else DEFAULT_MASTER_PORT
+    if args.node_rank == 0 and port_in_use(port):
+        everywhere = " on every node" if args.nnodes > 1 else ""
+        raise UserError(f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}")
+
+    threads = config.threads or threads_per_rank(local)
+    child_argv = [
+        sys.executable, "-m", "launch.rank", *training_argv(argv),
+        "--parts-dir", str(partition_set.path.resolve()), "--device", device, "--threads", str(threads),
+    ]
+    python_path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    shared_env = os.environ | {
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",  # forward output as it happens
+        "PYTHONPATH": python_path,
+    }
+    first = args.node_rank * local
+    ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
+    print(
+        f"{PROG}: starting {ranks} of {world_size} on {device} "
+        f"({threads} thread{'s' if threads > 1 else ''} per rank), master {args.master_addr}:{port}",
+        flush=True,
+    )
+    return [
+        Child(rank=first + i, argv=child_argv, env=shared_env | {"RANK": str(first + i), "LOCAL_RANK": str(i)})
+        for i in range(local)
+    ]
+
+
+def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: Path = DEFAULT_SEARCH_ROOT) -> TrainConfig:
+    """The configuration of this process as one rank of a torchrun/SLURM job.
+
+    Exports the rendezvous variables, resolves the partition set and device, and after an
+    elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from ``--out``.
+    """
+    check_launch_flags(args)
+    config = from_args(args)
+    # "auto" stays: the engine takes cuda when available, and checks LOCAL_RANK has a GPU.
+    device = choose_device(args, config)
+    partition_set = choose_partition_set(config.parts_dir, ranks.world_size, search_root)
+    if config.parts_dir is None and ranks.rank == 0:
+        announce(partition_set, search_root)
+    check_world_size(partition_set, ranks.world_size)
+    # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
+    if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):
+        raise UserError(f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass --master-port")
+    resume = config.resume
+    if ranks.restart_count > 0:
+        if config.out is not None:
+            resume = True
+        elif ranks.rank == 0:
+            print(f"{PROG}: warning: elastic restart {ranks.restart_count} without --out starts a new run; pass a fixed --out to resume", file=sys.stderr, flush=True)
+    ranks.export(os.environ)
+    return replace(config, parts_dir=partition_set.path.resolve(), device=device, threads=config.threads or ranks.threads, resume=resume)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    master_port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+    ranks = detect_rank_environment(os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes)
+    if ranks is None:
+        return supervise(prepare_local_ranks(args, argv))
+    return report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    return report_errors(lambda: _run(args, argv), rank=None, debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""One rank of a training job: ``python -m launch.rank <training flags>``.
+
+The local supervisor (:mod:`launch.supervisor`) starts one of these per local rank with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set;
+:func:`bnsgcn.train.run` reads them. :func:`report_errors` is the error handling shared
+by every rank, here and in ``bnsgcn-train`` under torchrun/SLURM:
+
+* :class:`~bnsgcn.errors.UserError` -> ``error: [rank R] <message>`` on stderr, exit 2
+  (the traceback too with ``--debug``);
+* any other exception -> its traceback, every line prefixed ``[rank R]``, exit 1.
+
+Either way the last stderr line names the problem, which is what the supervisor quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from bnsgcn.config import TrainConfig, add_arguments, from_args
+from bnsgcn.errors import UserError
+
+
+def training_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A parser with every training flag. Abbreviated flags are refused: the launcher
+    removes its own flags from the command line by exact name before passing it on."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    add_arguments(parser)
+    return parser
+
+
+def report_errors(work: Callable[[], int], *, rank: int | None, debug: bool) -> int:
+    """Run ``work`` and return its exit status; turn exceptions into the rank's report.
+
+    ``rank`` None means the launcher itself (no ``[rank R]`` prefix).
+    """
+    prefix = "" if rank is None else f"[rank {rank}] "
+    try:
+        return work()
+    except UserError as exc:
+        if debug:
+            _print_prefixed(traceback.format_exc(), prefix)
+        print(f"error: {prefix}{exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        _print_prefixed(traceback.format_exc(), prefix)
+        return 1
+
+
+def _print_prefixed(text: str, prefix: str) -> None:
+    sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+    sys.stderr.flush()
+
+
+def train(config: TrainConfig) -> int:
+    """Train this rank; exit status 0 on success."""
+    # Imported here: torch and the engine load only in processes that train.
+    from bnsgcn.train import run
+
+    run(config)
+    return 0
+
+
+def rank_from_environment() -> int | None:
+    """This process's rank for messages, from ``RANK`` (None when absent or malformed)."""
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = training_parser("python -m launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
+    return report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Run the local ranks of a job as child processes and make them live and die together.
+
+Each child runs in its own session (process group), so stopping it also stops whatever
+it started. Its stdout/stderr are forwarded line by line to ours; the last stderr lines
+are kept for the failure report. As soon as one child exits non-zero or is killed by a
+signal, every other child gets SIGTERM, then SIGKILL after ``grace_s`` seconds, and one
+line ``error: rank R failed (...): <its last error line>`` is printed. SIGINT/SIGTERM to
+this process stop all children the same way. No child outlives :func:`supervise`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, TextIO
+
+TAIL_LINES = 20
+STOP_WAIT_S = 10.0  # after SIGKILL: how long to wait for the kernel to reap
+READER_JOIN_S = 2.0
+
+
+@dataclass(frozen=True)
+class Child:
+    """One rank to start: its number (for reports), command line and full environment."""
+
+    rank: int
+    argv: Sequence[str]
+    env: Mapping[str, str] | None = None
+
+
+class _Interrupted(BaseException):
+    """Raised in the main thread by the SIGINT/SIGTERM handler of :class:`_StopSignals`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopSignals:
+    """While entered, the first SIGINT/SIGTERM raises :class:`_Interrupted` in the main
+    thread; later ones, and all after :meth:`disarm`, are ignored so that cleanup runs
+    to the end. Only the main thread may install handlers; elsewhere this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._armed = True
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self._armed:
+            self._armed = False
+            raise _Interrupted(signum)
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class _Running:
+    """A started child: its process, output forwarders and the tail of its stderr."""
+
+    def __init__(self, child: Child, exits: queue.Queue, lock: threading.Lock, stdout: TextIO, stderr: TextIO) -> None:
+        self.rank = child.rank
+        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.exited = threading.Event()
+        self.process = subprocess.Popen(
+            list(child.argv),
+            env=None if child.env is None else dict(child.env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            encoding="utf-8",
+            errors="replace",
+            start_new_session=True,
+        )
+        self.readers = [
+            threading.Thread(target=self._forward, args=(self.process.stdout, stdout, lock, None), daemon=True),
+            threading.Thread(target=self._forward, args=(self.process.stderr, stderr, lock, self.stderr_tail), daemon=True),
+        ]
+        # One waiter per child reports exits in the order they happen, so the first
+        # failure (the cause) is told apart from the ranks that failed because of it.
+        waiter = threading.Thread(target=self._wait, args=(exits,), daemon=True)
+        for thread in (*self.readers, waiter):
+            thread.start()
+
+    def _wait(self, exits: queue.Queue) -> None:
+        self.process.wait()
+        self.exited.set()
+        exits.put(self)
+
+    @staticmethod
+    def _forward(source: IO[str], target: TextIO, lock: threading.Lock, tail: deque[str] | None) -> None:
+        for line in source:
+            if not line.endswith("\n"):
+                line += "\n"
+            if tail is not None and line.strip():
+                tail.append(line.rstrip("\n"))
+            with lock:
+                target.write(line)
+                target.flush()
+        source.close()
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the child's whole process group (the child may be gone)."""
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def join_readers(self) -> None:
+        for reader in self.readers:
+            reader.join(READER_JOIN_S)
+
+    def last_error_line(self) -> str:
+        return self.stderr_tail[-1] if self.stderr_tail else "(nothing on stderr)"
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:  # a signal without a name, e.g. a real-time one
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+
+def _exit_status(returncode: int) -> int:
+    """Our exit status for a failed child: its own code, or 128 + signal like a shell."""
+    return returncode if returncode > 0 else 128 - returncode
+
+
+def supervise(children: Sequence[Child], *, grace_s: float = 5.0, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Run ``children`` to completion; 0 when all exit 0, else the first failure's status
+    (its exit code, or 128 + signal number; 128 + our signal when interrupted).
+
+    ``stdout``/``stderr`` default to this process's streams at call time.
+    """
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    lock = threading.Lock()
+    exits: queue.Queue[_Running] = queue.Queue()
+    running: list[_Running] = []
+    with _StopSignals() as stop_signals:
+        try:
+            for child in children:
+                running.append(_Running(child, exits, lock, stdout, stderr))
+            failed = _first_failure(exits, len(running))
+            if failed is None:
+                return 0
+            _stop(running, grace_s)
+            _report(stderr, lock, f"error: rank {failed.rank} failed ({failed.describe_exit()}): {failed.last_error_line()}", running)
+            return _exit_status(failed.process.returncode)
+        except _Interrupted as interrupt:
+            _stop(running, grace_s)
+            name = signal.Signals(interrupt.signum).name
+            _report(stderr, lock, f"error: interrupted by {name}; stopped all {len(running)} local ranks", running)
+            return 128 + interrupt.signum
+        finally:
+            # Whatever happened (also an exception while starting), leave nothing behind:
+            # this also reaches grandchildren of children that exited on their own.
+            stop_signals.disarm()
+            for r in running:
+                r.signal_group(signal.SIGKILL)
+            for r in running:
+                r.exited.wait(STOP_WAIT_S)
+                r.join_readers()
+
+
+def _first_failure(exits: queue.Queue, count: int) -> _Running | None:
+    """Take exits in order; the first child to exit non-zero, or None if all exit 0."""
+    for _ in range(count):
+        running = exits.get()
+        if running.process.returncode != 0:
+            return running
+    return None
+
+
+def _stop(running: Sequence[_Running], grace_s: float) -> None:
+    """SIGTERM every process group, SIGKILL what is left after ``grace_s``, then reap."""
+    for r in running:
+        r.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for r in running:
+        r.exited.wait(max(0.0, deadline - time.monotonic()))
+    for r in running:
+        r.signal_group(signal.SIGKILL)
+    for r in running:
+        r.exited.wait(STOP_WAIT_S)
+
+
+def _report(stderr: TextIO, lock: threading.Lock, line: str, running: Sequence[_Running]) -> None:
+    # Drain the children's output first so that the report is the last line printed.
+    for r in running:
+        r.join_readers()
+    with lock:
+        stderr.write(line + "\n")
+        stderr.flush()

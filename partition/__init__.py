@@ -1,0 +1,1 @@
+"""The offline partition step: datasets -> METIS/random partitions -> partition files."""

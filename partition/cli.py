@@ -1,0 +1,138 @@
+"""``bnsgcn-partition``: load a dataset, partition it, write a partition set.
+
+    bnsgcn-partition [--parts K] DATASET [--data-dir DIR] [--out DIR]
+                     [--method metis|random] [--objective cut|vol] [--assignment FILE]
+                     [--seed N] [--force] [--debug]
+
+Bad input ends with ``error: <message>`` on one line of stderr and exit status 2, and
+leaves no output directory behind. Progress goes to stderr; the location of the set and
+its partition report go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+from bnsgcn.errors import UserError
+from bnsgcn.progress import step
+
+from .partitioner import METHODS, OBJECTIVES, assign, method_info, validate_parts
+from .writer import find_reusable, format_report, write_partition_set
+
+DEFAULT_PARTS = 2
+DEFAULT_DATASET = "synthetic"
+PARTS_ROOT = Path("parts")
+
+
+def default_out_dir(spec: str, parts: int) -> Path:
+    """``parts/<name>-<K>`` with a file-system-safe ``name`` derived from the dataset spec.
+
+    A plain name is kept (``reddit`` -> ``parts/reddit-4``). A spec with arguments gets a
+    short hash of them, so different synthetic graphs never share a directory
+    (``synthetic:nodes=1000`` -> ``parts/synthetic-bd837c09-4``); for ``npz:`` and ``saint:``
+    the file or directory name is kept as well (``npz-cora-<hash>-4``).
+    """
+    kind, _, argument = spec.partition(":")
+    pieces = [kind]
+    if argument:
+        if kind in ("npz", "saint"):
+            pieces.append(Path(argument).stem)
+        pieces.append(hashlib.sha256(argument.encode()).hexdigest()[:8])
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(pieces)).strip("-.") or "dataset"
+    return PARTS_ROOT / f"{name}-{parts}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bnsgcn-partition",
+        description="Partition a graph dataset for partition-parallel training (bnsgcn-train).",
+    )
+    parser.add_argument("dataset", nargs="?", default=DEFAULT_DATASET,
+                        help="reddit, ogbn-products, ogbn-arxiv, ogbn-papers100M, yelp, saint:<dir>, cora, citeseer, "
+                             "pubmed, npz:<path> or synthetic[:key=value,...] (default: synthetic)")
+    parser.add_argument("--parts", type=int, default=DEFAULT_PARTS,
+                        help=f"number of partitions = training ranks (default {DEFAULT_PARTS})")
+    parser.add_argument("--data-dir", type=Path, help="directory holding the dataset files (default ./data)")
+    parser.add_argument("--out", type=Path, help="output directory (default parts/<dataset>-<K>)")
+    parser.add_argument("--method", choices=METHODS, default="metis", help="partitioner (default metis)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="cut",
+                        help="METIS objective: edge cut or communication volume (default cut)")
+    parser.add_argument("--assignment", type=Path,
+                        help="use this assignment instead (.npy or text, one part id per node), e.g. from ParMETIS")
+    parser.add_argument("--seed", type=int, default=0, help="seed of METIS / random partitioning (default 0)")
+    parser.add_argument("--force", action="store_true", help="replace an existing partition set at --out")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    validate_parts(args.parts)
+    out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
+    partitioner = method_info(args.method, args.objective, args.seed, args.assignment)
+    try:
+        manifest = find_reusable(out_dir, args.dataset, args.parts, partitioner, args.force)
+    except OSError as exc:
+        raise _unwritable(out_dir, exc) from exc
+    if manifest is not None:
+        print(f"reusing the partition set at {out_dir} (same dataset, parts and partitioner); "
+              "pass --force to rewrite it")
+    else:
+        check_writable(out_dir)  # fail before a long load, not after it
+        from .datasets import load_dataset  # imported late: loaders pull in heavy modules
+
+        with step(f"loading {args.dataset}"):
+            graph = load_dataset(args.dataset, args.data_dir, progress=True)
+        validate_parts(args.parts, graph.num_nodes)
+        method = "assignment file" if args.assignment is not None else args.method
+        with step(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})"):
+            assignment = assign(graph, args.parts, args.method, args.objective, args.seed, args.assignment)
+        try:
+            manifest = write_partition_set(graph, assignment, out_dir, parts=args.parts, method_info=partitioner,
+                                           dataset_spec=args.dataset, force=args.force)
+        except OSError as exc:
+            raise _unwritable(out_dir, exc) from exc
+        print(f"partition set written to {out_dir}")
+    print(format_report(manifest["report"]))
+    return 0
+
+
+def check_writable(out_dir: Path) -> None:
+    """Raise :class:`UserError` when ``out_dir`` clearly cannot be created.
+
+    Looks at the nearest existing ancestor only; anything this misses still fails
+    cleanly when the set is written.
+    """
+    ancestor = Path(out_dir).absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"cannot write the partition set to {out_dir}: {ancestor} is a file; choose a writable --out")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the partition set to {out_dir}: {ancestor} is not writable; choose a writable --out")
+
+
+def _unwritable(out_dir: Path, exc: OSError) -> UserError:
+    return UserError(f"cannot write the partition set to {out_dir} ({exc.strerror or exc}); choose a writable --out")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; no partition set was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

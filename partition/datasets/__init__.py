@@ -1,0 +1,249 @@
+"""Dataset loaders: every supported dataset becomes one canonical :class:`~partition.graph.Graph`.
+
+``load_dataset(spec, data_dir)`` is the only entry point the rest of the project uses. The
+loaders never download: they read files the user placed under ``data_dir`` (see
+``docs/datasets.md`` for each dataset's files and where to get them) and turn every
+problem with them into a one-line :class:`~bnsgcn.errors.UserError`.
+
+This module also holds what all loaders share: the directory lookup
+(:func:`find_dataset_dir`), the progress lines (:class:`Progress`) and the validation and
+canonicalisation of the arrays a loader read (:func:`build_graph`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from bnsgcn.errors import UserError
+from partition.graph import Graph, canonical_csr
+
+DEFAULT_DATA_DIR = Path("data")
+PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
+OGB_NAMES = ("ogbn-products", "ogbn-arxiv", "ogbn-papers100M")
+SAINT_NAMES = ("yelp",)
+DATASET_NAMES = ("reddit", *OGB_NAMES, *SAINT_NAMES, *PLANETOID_NAMES)
+SPEC_FORMS = (*DATASET_NAMES, "saint:<name>", "npz:<path>", "synthetic", "synthetic:<key=value,...>")
+
+
+class Progress:
+    """Progress lines on stderr for the steps of a load that take a while.
+
+    A step prints ``<dataset>: <what> ...`` only once it has run for ``delay`` seconds and,
+    if it did, ``<dataset>: <what> done in <t> s`` when it ends, so fast loads stay silent.
+    """
+
+    def __init__(self, dataset: str, enabled: bool = True, delay: float = 2.0) -> None:
+        self.dataset = dataset
+        self.enabled = enabled
+        self.delay = delay
+
+    def _print(self, message: str) -> None:
+        print(f"{self.dataset}: {message}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        announce = threading.Timer(self.delay, self._print, args=(f"{what} ...",))
+        announce.daemon = True
+        announce.start()
+        try:
+            yield
+        finally:
+            announce.cancel()
+            elapsed = time.perf_counter() - start
+            if elapsed >= self.delay:
+                self._print(f"{what} done in {elapsed:.1f} s")
+
+
+def find_dataset_dir(
+    data_dir: Path | None,
+    subdirs: tuple[str, ...],
+    required: tuple[str, ...],
+    dataset: str,
+    how_to_get: str,
+    alternative: tuple[str, ...] = (),
+) -> Path:
+    """The first of ``<base>/<subdir>`` (in order) and ``<base>`` holding every ``required`` file.
+
+    ``base`` is ``data_dir``, or ``./data`` when it is None. A directory holding every file
+    of a non-empty ``alternative`` layout also qualifies (the caller tells which it found).
+    Raises a :class:`UserError` naming the required files, the directories searched and
+    ``how_to_get`` them when no directory qualifies.
+    """
+    base = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
+    candidates = [base / sub for sub in subdirs] + [base]
+    layouts = [required] + ([alternative] if alternative else [])
+    for candidate in candidates:
+        if any(all((candidate / name).is_file() for name in layout) for layout in layouts):
+            return candidate
+    searched = " or ".join(str(c) for c in candidates)
+    raise UserError(
+        f"{dataset}: expected {', '.join(required)} in {searched}; {how_to_get}, "
+        "or point the data directory (--data-dir) at the folder holding them"
+    )
+
+
+def read_split_masks(num_nodes: int, splits: dict[str, np.ndarray], source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Boolean masks [N] from the node-index arrays ``splits['train'|'val'|'test']``."""
+    masks = []
+    for split in ("train", "val", "test"):
+        index = np.asarray(splits[split]).reshape(-1)
+        if index.size and (not np.issubdtype(index.dtype, np.integer) or index.min() < 0 or index.max() >= num_nodes):
+            raise UserError(f"{source}: the {split} split holds node ids outside [0, {num_nodes}); use the split files that came with the dataset")
+        mask = np.zeros(num_nodes, dtype=bool)
+        mask[index] = True
+        masks.append(mask)
+    return masks[0], masks[1], masks[2]
+
+
+def check_features(features: np.ndarray, num_nodes: int, source: str) -> np.ndarray:
+    """``features`` as C-contiguous float32 [N, F]; UserError on a wrong shape or NaN/inf."""
+    if features.ndim != 2 or features.shape[0] != num_nodes:
+        raise UserError(f"{source}: features have shape {features.shape}, expected [{num_nodes}, F]; the file does not match the graph")
+    if not (np.issubdtype(features.dtype, np.number) or features.dtype == np.bool_) or np.iscomplexobj(features):
+        raise UserError(f"{source}: features have dtype {features.dtype}, expected real numbers; re-export them as float32")
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    # Row blocks keep the temporary boolean array small on large feature matrices.
+    rows = max(1, (1 << 24) // max(1, features.shape[1]))
+    for start in range(0, num_nodes, rows):
+        block = features[start:start + rows]
+        finite = np.isfinite(block)
+        if not finite.all():
+            node = start + int(np.argwhere(~finite)[0, 0])
+            raise UserError(f"{source}: features contain NaN or infinite values (first at node {node}); clean the features (fill or drop those values) and try again")
+    return features
+
+
+def _check_labels(labels: np.ndarray, num_nodes: int, num_classes: int, multilabel: bool, source: str) -> np.ndarray:
+    expected = f"[{num_nodes}, {num_classes}]" if multilabel else f"[{num_nodes}]"
+    if labels.shape != ((num_nodes, num_classes) if multilabel else (num_nodes,)):
+        raise UserError(f"{source}: labels have shape {labels.shape}, expected {expected}; the file does not match the graph")
+    if labels.size and not np.issubdtype(labels.dtype, np.integer) and not np.issubdtype(labels.dtype, np.bool_):
+        if not np.issubdtype(labels.dtype, np.floating) or not np.all(labels == np.round(labels)):
+            raise UserError(f"{source}: labels have dtype {labels.dtype} with non-integer values; labels must be class ids")
+    if multilabel:
+        if labels.size and (labels.min() < 0 or labels.max() > 1):
+            raise UserError(f"{source}: multi-label targets must be 0 or 1; fix the label file")
+        return np.ascontiguousarray(labels, dtype=np.uint8)
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
+        raise UserError(f"{source}: label {labels[bad]} of node {bad} is outside [0, {num_classes}); fix the labels or the class count")
+    return np.ascontiguousarray(labels, dtype=np.int64)
+
+
+def _check_masks(masks: tuple[np.ndarray, np.ndarray, np.ndarray], num_nodes: int, source: str) -> tuple[np.ndarray, ...]:
+    checked = []
+    for split, mask in zip(("train", "val", "test"), masks):
+        if mask.shape != (num_nodes,) or mask.dtype != np.bool_:
+            raise UserError(f"{source}: {split} mask has shape {mask.shape} and dtype {mask.dtype}, expected bool [{num_nodes}]")
+        checked.append(np.ascontiguousarray(mask))
+    train, val, test = checked
+    if not train.any():
+        raise UserError(f"{source}: the training split is empty; provide a split with training nodes")
+    if (train & val).any() or (train & test).any() or (val & test).any():
+        raise UserError(f"{source}: the train/val/test splits overlap; each node may be in at most one split")
+    return train, val, test
+
+
+def build_graph(
+    name: str,
+    src: np.ndarray,
+    dst: np.ndarray,
+    features: np.ndarray,
+    labels: np.ndarray,
+    masks: tuple[np.ndarray, np.ndarray, np.ndarray],
+    num_classes: int,
+    source: str,
+    progress: Progress,
+    multilabel: bool = False,
+    symmetrized: bool | None = None,
+) -> Graph:
+    """Validate what a loader read and return the canonical :class:`Graph`.
+
+    Args:
+        src, dst: edge list ``src[e] -> dst[e]``, any integer dtype, [E].
+        features: [N, F] real; labels: [N] class ids or [N, C] 0/1 when ``multilabel``.
+        masks: (train, val, test), bool [N] each, pairwise disjoint, train non-empty.
+        source: what the user should look at when something is wrong (file or dataset).
+        symmetrized: whether the source graph was directed; None: decided from the edges.
+    """
+    num_nodes = features.shape[0] if features.ndim == 2 else -1
+    features = check_features(features, num_nodes, source)
+    labels = _check_labels(np.asarray(labels), num_nodes, num_classes, multilabel, source)
+    train, val, test = _check_masks(masks, num_nodes, source)
+    src, dst = np.asarray(src).reshape(-1), np.asarray(dst).reshape(-1)
+    if src.shape != dst.shape:
+        raise UserError(f"{source}: edge sources and destinations differ in length; the edge file is damaged")
+    if src.size and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_nodes):
+        raise UserError(f"{source}: edges refer to nodes outside [0, {num_nodes}); the edge file does not match the node files")
+    with progress.step(f"canonicalising {src.size:,} edges"):
+        indptr, indices, was_directed = canonical_csr(src, dst, num_nodes)
+    return Graph(
+        name=name,
+        indptr=indptr,
+        indices=indices,
+        features=features,
+        labels=labels,
+        train_mask=train,
+        val_mask=val,
+        test_mask=test,
+        num_classes=int(num_classes),
+        multilabel=multilabel,
+        symmetrized=was_directed if symmetrized is None else symmetrized,
+    )
+
+
+def load_dataset(spec: str, data_dir: Path | None, progress: bool = True) -> Graph:
+    """Load the dataset named by ``spec`` as a canonical :class:`Graph`.
+
+    ``spec`` is one of ``reddit``, ``ogbn-products``, ``ogbn-arxiv``, ``ogbn-papers100M``,
+    ``yelp``, ``cora``, ``citeseer``, ``pubmed`` (files under ``data_dir``, default
+    ``./data``), ``saint:<name>`` (any GraphSAINT-format directory), ``npz:<path>``, or
+    ``synthetic[:key=value,...]``. Nothing is ever downloaded.
+    """
+    # Loaders are imported on use: the OGB reader pulls in pandas, the others need nothing.
+    kind, _, argument = spec.partition(":")
+    lowered = spec.lower()
+    names = {n.lower(): n for n in DATASET_NAMES}
+    if lowered in names:
+        name = names[lowered]
+        tracker = Progress(name, progress)
+        if name == "reddit":
+            from .reddit import load_reddit
+
+            return load_reddit(data_dir, tracker)
+        if name in OGB_NAMES:
+            from .ogb import load_ogb
+
+            return load_ogb(name, data_dir, tracker)
+        if name in SAINT_NAMES:
+            from .saint import load_saint
+
+            return load_saint(name, data_dir, tracker)
+        from .planetoid import load_planetoid
+
+        return load_planetoid(name, data_dir, tracker)
+    if kind == "saint" and argument:
+        from .saint import load_saint
+
+        return load_saint(argument, data_dir, Progress(argument, progress))
+    if kind == "npz" and argument:
+        from .npz import load_npz
+
+        return load_npz(Path(argument), data_dir, Progress(Path(argument).stem, progress))
+    if kind == "synthetic":
+        from .synthetic import generate_synthetic, parse_synthetic_spec
+
+        config = parse_synthetic_spec(argument)
+        return generate_synthetic(config, Progress("synthetic", progress))
+    raise UserError(f"unknown dataset {spec!r}; choose one of {', '.join(SPEC_FORMS)}")

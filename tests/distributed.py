@@ -1,0 +1,92 @@
+"""Test helpers: small graphs, partition sets, and running N ranks of the engine in-process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bnsgcn.config import TrainConfig
+from partition.graph import Graph, canonical_csr
+from partition.partitioner import assign, method_info
+from partition.writer import write_partition_set
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def random_graph(num_nodes: int = 60, avg_degree: int = 4, features: int = 8, classes: int = 3, seed: int = 0, multilabel: bool = False) -> Graph:
+    """A random graph with an isolated node, features that carry the label, and a split."""
+    rng = np.random.default_rng(seed)
+    m = num_nodes * avg_degree // 2
+    src, dst = rng.integers(0, num_nodes - 1, m), rng.integers(0, num_nodes - 1, m)  # node N-1 isolated
+    indptr, indices, _ = canonical_csr(src, dst, num_nodes)
+    if multilabel:
+        labels = (rng.random((num_nodes, classes)) < 0.4).astype(np.uint8)
+        signal = labels.astype(np.float32) @ rng.normal(size=(classes, features)).astype(np.float32)
+    else:
+        labels = rng.integers(0, classes, num_nodes).astype(np.int64)
+        signal = np.eye(classes, features, dtype=np.float32)[labels]
+    x = (signal + rng.normal(scale=0.5, size=(num_nodes, features))).astype(np.float32)
+    role = rng.permutation(num_nodes)
+    train, val, test = (np.zeros(num_nodes, bool) for _ in range(3))
+    train[role[: num_nodes // 2]] = True
+    val[role[num_nodes // 2 : 3 * num_nodes // 4]] = True
+    test[role[3 * num_nodes // 4 :]] = True
+    return Graph("random", indptr, indices, x, labels, train, val, test, classes, multilabel=multilabel)
+
+
+def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed: int = 0) -> Path:
+    assignment = assign(graph, parts, method=method, seed=seed)
+    write_partition_set(graph, assignment, out, parts=parts, method_info=method_info(method, "cut", seed), progress=False)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from bnsgcn.train import run
+
+    results = []
+    try:
+        for config, port in zip(configs, ports):
+            os.environ["MASTER_PORT"] = str(port)
+            summary = run(config)
+            model = summary.pop("model")
+            results.append(summary | {"params": {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}})
+        queue.put((rank, results, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300) -> list[list[dict]]:
+    """Run each config as a job of ``world`` ranks (processes); return results[rank][config]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ports = [free_port() for _ in configs]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: list = [None] * world
+    try:
+        for _ in range(world):
+            rank, res, err = queue.get(timeout=timeout)
+            if err:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results

@@ -1,0 +1,78 @@
+"""A dense, single-process implementation of the three models, written independently of
+the engine's layers and kernels: the ground truth for the exactness tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bnsgcn.config import TrainConfig
+from bnsgcn.model import GNN
+from partition.graph import Graph
+
+
+def dense_adjacency(graph: Graph) -> Tensor:
+    """A[v, u] = 1 for every edge u -> v, plus self-loops; float64 [N, N]."""
+    n = graph.num_nodes
+    a = torch.zeros(n, n, dtype=torch.float64)
+    rows = torch.repeat_interleave(torch.arange(n), torch.from_numpy(graph.in_degree()))
+    a[rows, torch.from_numpy(graph.indices.astype("int64"))] = 1.0
+    return a + torch.eye(n, dtype=torch.float64)
+
+
+def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
+    """The parameters every rank starts from (same seed, same constructor)."""
+    torch.manual_seed(config.seed)
+    model = GNN(config, graph.features.shape[1], graph.num_classes, lambda t: t)
+    return {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+
+
+def forward(config: TrainConfig, a: Tensor, params: dict[str, Tensor], x: Tensor) -> Tensor:
+    deg = a.sum(1)
+    h = x
+    for i in range(config.layers):
+        last = i == config.layers - 1
+        p = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
+        if config.model == "graphsage":
+            h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + (a / deg[:, None]) @ h @ p["lin_neigh.weight"].T
+        elif config.model == "gcn":
+            norm = a / torch.sqrt(deg[:, None] * deg[None, :])
+            h = norm @ h @ p["lin.weight"].T + p["bias"]
+        else:
+            heads = config.heads
+            z = (h @ p["lin.weight"].T).view(h.shape[0], heads, -1)
+            s_src = (z * p["att_src"]).sum(-1)
+            s_dst = (z * p["att_dst"]).sum(-1)
+            e = F.leaky_relu(s_dst[:, None, :] + s_src[None, :, :], 0.2)  # [v, u, head]
+            e = e.masked_fill(a[:, :, None] == 0, float("-inf"))
+            alpha = torch.softmax(e, dim=1)
+            out = torch.einsum("vuh,uhd->vhd", alpha, z)
+            h = (out.mean(1) if last else out.reshape(out.shape[0], -1)) + p["bias"]
+        if not last:
+            if config.norm == "layer":
+                h = F.layer_norm(h, h.shape[1:], params[f"norms.{i}.weight"], params[f"norms.{i}.bias"])
+            elif config.norm == "batch":
+                mean, var = h.mean(0), h.var(0, unbiased=False)
+                h = (h - mean) / torch.sqrt(var + 1e-5) * params[f"norms.{i}.weight"] + params[f"norms.{i}.bias"]
+            h = F.elu(h) if config.model == "gat" else F.relu(h)
+    return h
+
+
+def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Tensor]]:
+    """Full-graph training in one process, float64: losses per epoch and final parameters."""
+    a = dense_adjacency(graph)
+    x = torch.from_numpy(graph.features).double()
+    labels = torch.from_numpy(graph.labels)
+    train_mask = torch.from_numpy(graph.train_mask)
+    params = {k: v.requires_grad_(True) for k, v in initial_params(config, graph).items() if "running" not in k}
+    opt = torch.optim.Adam(params.values(), lr=config.lr, weight_decay=config.weight_decay)
+    losses = []
+    for _ in range(config.epochs):
+        logits = forward(config, a, params, x)
+        loss = F.cross_entropy(logits[train_mask], labels[train_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in params.items()}

@@ -1,0 +1,298 @@
+"""Aggregation kernels against dense torch references, on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bnsgcn.errors import UserError
+from bnsgcn.kernels import ENV_VAR, Adjacency, gat_aggregate, kernel_backend, spmm
+
+BACKENDS = ("numba", "torch")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, request.param)
+    return request.param
+
+
+def random_pattern(n_rows: int, n_cols: int, density: float, seed: int) -> torch.Tensor:
+    """Bool ``[n_rows, n_cols]`` with an empty row, an empty column and a self-loop-only row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n_rows, n_cols, generator=g) < density
+    mask[1] = False  # empty row
+    mask[:, n_cols - 1] = False  # isolated column
+    mask[2] = False
+    mask[2, 2] = True  # self-loop-only row
+    mask[0, 0] = True  # at least one entry
+    return mask
+
+
+def csr_of(dense: torch.Tensor, weighted: bool) -> Adjacency:
+    mask = dense != 0
+    rows, cols = mask.nonzero(as_tuple=True)
+    indptr = torch.zeros(dense.shape[0] + 1, dtype=torch.int64)
+    indptr[1:] = mask.sum(1).cumsum(0)
+    return Adjacency.from_csr(indptr, cols, dense.shape[1], dense[rows, cols] if weighted else None)
+
+
+def make_case(n_rows: int, n_cols: int, weighted: bool, dtype: torch.dtype, seed: int = 0):
+    """``(dense A, Adjacency)``; weighted entries in [0.5, 1.5), unweighted entries 1."""
+    mask = random_pattern(n_rows, n_cols, 0.3, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = torch.rand(n_rows, n_cols, generator=g, dtype=dtype) + 0.5 if weighted else torch.ones(n_rows, n_cols, dtype=dtype)
+    dense = torch.where(mask, weights, torch.zeros((), dtype=dtype))
+    return dense, csr_of(dense, weighted)
+
+
+def dense_of(adj: Adjacency) -> torch.Tensor:
+    """Forward CSR to dense (entries 1 where values is None)."""
+    dense = torch.zeros(adj.n_rows, adj.n_cols, dtype=torch.float64)
+    rows = torch.repeat_interleave(torch.arange(adj.n_rows), adj.indptr.diff())
+    values = torch.ones(adj.nnz) if adj.values is None else adj.values
+    dense[rows, adj.indices.long()] = values.double()
+    return dense
+
+
+def dense_of_transpose(adj: Adjacency) -> torch.Tensor:
+    """Transposed CSR to dense ``[n_cols, n_rows]``, checking t_edge points at the same entries."""
+    cols = torch.repeat_interleave(torch.arange(adj.n_cols), adj.t_indptr.diff())
+    forward_rows = torch.repeat_interleave(torch.arange(adj.n_rows), adj.indptr.diff())
+    assert torch.equal(adj.indices[adj.t_edge.long()].long(), cols)
+    assert torch.equal(forward_rows[adj.t_edge.long()], adj.t_indices.long())
+    dense = torch.zeros(adj.n_cols, adj.n_rows, dtype=torch.float64)
+    values = torch.ones(adj.nnz) if adj.t_values is None else adj.t_values
+    dense[cols, adj.t_indices.long()] = values.double()
+    return dense
+
+
+def gat_reference(mask, x, score_src, score_dst, col_weight, slope):
+    """Dense GAT: softmax over each row's entries, weights w_u inside the softmax."""
+    e = torch.nn.functional.leaky_relu(score_dst[:, None, :] + score_src[None, :, :], slope)  # [v, u, H]
+    e = e.masked_fill(~mask[:, :, None], float("-inf"))
+    row_max = e.amax(1, keepdim=True).clamp_min(-1e30)  # empty rows: no -inf - -inf
+    p = torch.exp(e - row_max)
+    if col_weight is not None:
+        p = p * col_weight[None, :, None]
+    alpha = p / p.sum(1, keepdim=True).clamp_min(1e-300)
+    return torch.einsum("vuh,uhd->vhd", alpha, x)
+
+
+# --- spmm -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("shape", [(40, 40), (30, 70)])
+def test_spmm_matches_dense_float32(backend, weighted, shape):
+    dense, adj = make_case(*shape, weighted, torch.float32)
+    x = torch.randn(shape[1], 19, requires_grad=True)
+    y = spmm(adj, x)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = dense @ x_ref
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    assert torch.all(y[1] == 0)  # empty row
+    assert torch.all(x.grad[-1] == 0)  # isolated column
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_spmm_gradcheck_float64(backend, weighted):
+    _, adj = make_case(9, 13, weighted, torch.float64)
+    x = torch.randn(13, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: spmm(adj, x), (x,))
+
+
+def test_spmm_without_grad_builds_no_backward(backend):
+    _, adj = make_case(12, 12, True, torch.float32)
+    y = spmm(adj, torch.randn(12, 3))
+    assert y.grad_fn is None and not y.requires_grad
+
+
+def test_spmm_casts_constant_values_to_feature_dtype(backend):
+    dense, adj = make_case(10, 10, True, torch.float32)
+    x = torch.randn(10, 3, dtype=torch.float64)
+    torch.testing.assert_close(spmm(adj, x), dense.double() @ x)
+
+
+def test_results_do_not_depend_on_thread_count(backend):
+    _, adj = make_case(300, 200, True, torch.float32)
+    x = torch.randn(200, 2, 8, requires_grad=True)
+    s_src = torch.randn(200, 2, requires_grad=True)
+    s_dst = torch.randn(300, 2, requires_grad=True)
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y = spmm(adj, x.flatten(1))
+            z = gat_aggregate(adj, x, s_src, s_dst)
+            grads = torch.autograd.grad((y.square().sum() + z.square().sum()), (x, s_src, s_dst))
+            results.append((y, z, *grads))
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_numba_spmm_kernel_accepts_int64_indices():
+    from bnsgcn.kernels import numba_backend
+
+    dense, adj = make_case(20, 25, True, torch.float32)
+    x = torch.randn(25, 6)
+    y = numba_backend._spmm_csr(adj.indptr, adj.indices.long(), adj.values, x, adj.n_rows)
+    torch.testing.assert_close(y, dense @ x)
+
+
+# --- Adjacency ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_transpose_matches_dense_transpose(weighted):
+    dense, adj = make_case(25, 40, weighted, torch.float64)
+    torch.testing.assert_close(dense_of_transpose(adj), dense.T)
+    torch.testing.assert_close(dense_of(adj), dense)
+    assert adj.indices.dtype == torch.int32 and adj.t_edge.dtype == torch.int32
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_select_columns_matches_dense_slicing(backend, weighted):
+    dense, adj = make_case(30, 50, weighted, torch.float64)
+    keep = torch.rand(50, generator=torch.Generator().manual_seed(3)) < 0.5
+    keep[0] = keep[2] = True
+    sub = adj.select_columns(keep)
+    sliced = dense[:, keep]
+    assert (sub.n_rows, sub.n_cols, sub.nnz) == (30, int(keep.sum()), int((sliced != 0).sum()))
+    torch.testing.assert_close(dense_of(sub), sliced)
+    torch.testing.assert_close(dense_of_transpose(sub), sliced.T)
+    rebuilt = csr_of(sliced, weighted)
+    for name in ("indptr", "indices", "t_indptr", "t_indices", "t_edge"):
+        assert torch.equal(getattr(sub, name), getattr(rebuilt, name)), name
+    x = torch.randn(sub.n_cols, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: spmm(sub, x), (x,))
+
+
+def test_select_columns_dropping_everything():
+    _, adj = make_case(10, 12, True, torch.float32)
+    empty = adj.select_columns(torch.zeros(12, dtype=torch.bool))
+    assert (empty.n_rows, empty.n_cols, empty.nnz) == (10, 0, 0)
+    assert torch.equal(spmm(empty, torch.randn(0, 4)), torch.zeros(10, 4))
+
+
+def test_with_values_shares_transpose_and_uses_new_values(backend):
+    dense, adj = make_case(20, 20, True, torch.float64)
+    reweighted = adj.with_values(adj.values * 2)
+    assert reweighted.t_indptr is adj.t_indptr and reweighted.t_edge is adj.t_edge
+    torch.testing.assert_close(dense_of_transpose(reweighted), 2 * dense.T)
+    x = torch.randn(20, 3, dtype=torch.float64)
+    torch.testing.assert_close(spmm(reweighted, x), 2 * dense @ x)
+    torch.testing.assert_close(spmm(adj.with_values(None), x), (dense != 0).double() @ x)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_row_sums(weighted):
+    dense, adj = make_case(15, 22, weighted, torch.float32)
+    torch.testing.assert_close(adj.row_sums(), dense.sum(1))
+
+
+@pytest.mark.parametrize(
+    "indptr, indices, n_cols, message",
+    [
+        ([0, 2, 1], [0, 1], 3, "indptr"),
+        ([0, 2], [0, 3], 3, "n_cols"),
+        ([0, 2], [1, 0], 3, "ascending"),
+        ([0, 1, 2], [1.0, 0.0], 3, "integer"),
+    ],
+)
+def test_from_csr_rejects_bad_input(indptr, indices, n_cols, message):
+    with pytest.raises(UserError, match=message):
+        Adjacency.from_csr(torch.tensor(indptr), torch.tensor(indices), n_cols)
+
+
+def test_unknown_backend_is_a_user_error(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "cuda-magic")
+    with pytest.raises(UserError, match=ENV_VAR):
+        kernel_backend(torch.device("cpu"))
+
+
+# --- gat_aggregate --------------------------------------------------------------------------
+
+def gat_inputs(n_rows, n_cols, heads, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_cols, heads, dim, generator=g, dtype=dtype).requires_grad_()
+    s_src = torch.randn(n_cols, heads, generator=g, dtype=dtype).requires_grad_()
+    s_dst = torch.randn(n_rows, heads, generator=g, dtype=dtype).requires_grad_()
+    col_weight = torch.rand(n_cols, generator=g, dtype=dtype) * 2 + 0.1
+    return x, s_src, s_dst, col_weight
+
+
+@pytest.mark.parametrize("use_weight", [True, False])
+@pytest.mark.parametrize("shape", [(30, 30), (20, 45)])
+def test_gat_matches_dense_reference(backend, use_weight, shape):
+    dense, adj = make_case(*shape, True, torch.float64)  # values must be ignored
+    x, s_src, s_dst, col_weight = gat_inputs(*shape, 3, 5, torch.float64)
+    w = col_weight if use_weight else None
+    y = gat_aggregate(adj, x, s_src, s_dst, w, negative_slope=0.1)
+    inputs = [t.detach().clone().requires_grad_() for t in (x, s_src, s_dst)]
+    y_ref = gat_reference(dense != 0, *inputs, w, 0.1)
+    torch.testing.assert_close(y, y_ref)
+    assert torch.all(y[1] == 0)  # empty row
+    torch.testing.assert_close(y[2], x[2].detach())  # self-loop-only row: alpha = 1
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, s_src, s_dst), dy)
+    grads_ref = torch.autograd.grad(y_ref, inputs, dy)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want)
+
+
+def test_gat_float32_matches_float64(backend):
+    _, adj = make_case(40, 60, False, torch.float32)
+    inputs64 = gat_inputs(40, 60, 4, 8, torch.float64)
+    inputs32 = [t.detach().float().requires_grad_() for t in inputs64]
+    y64 = gat_aggregate(adj, *inputs64)
+    y32 = gat_aggregate(adj, *inputs32)
+    torch.testing.assert_close(y32, y64.float(), rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y64)
+    for got, want in zip(torch.autograd.grad(y32, inputs32[:3], dy.float()), torch.autograd.grad(y64, inputs64[:3], dy)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_weight", [True, False])
+def test_gat_gradcheck_float64(backend, use_weight):
+    _, adj = make_case(8, 11, False, torch.float64)
+    x, s_src, s_dst, col_weight = gat_inputs(8, 11, 2, 3, torch.float64)
+    w = col_weight if use_weight else None
+    assert torch.autograd.gradcheck(lambda a, b, c: gat_aggregate(adj, a, b, c, w), (x, s_src, s_dst))
+
+
+def test_gat_zero_weight_row_gives_zero_not_nan(backend):
+    _, adj = make_case(10, 10, False, torch.float32)
+    x, s_src, s_dst, _ = gat_inputs(10, 10, 2, 4, torch.float32)
+    y = gat_aggregate(adj, x, s_src, s_dst, torch.zeros(10))
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_gat_skips_dx_when_x_needs_no_grad(backend, monkeypatch):
+    _, adj = make_case(12, 12, False, torch.float64)
+    x, s_src, s_dst, _ = gat_inputs(12, 12, 2, 4, torch.float64)
+    module = kernel_backend(torch.device("cpu"))
+    seen = []
+    original = module.gat_backward
+
+    def spy(*args):
+        seen.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(module, "gat_backward", spy)
+    y = gat_aggregate(adj, x.detach(), s_src, s_dst)
+    y.sum().backward()
+    assert seen == [False] and s_src.grad is not None and s_dst.grad is not None
+    assert gat_aggregate(adj, x.detach(), s_src.detach(), s_dst.detach()).grad_fn is None
+
+
+def test_gat_rejects_mismatched_shapes():
+    _, adj = make_case(10, 12, False, torch.float32)
+    x, s_src, s_dst, _ = gat_inputs(10, 12, 2, 4, torch.float32)
+    with pytest.raises(UserError, match="score_src"):
+        gat_aggregate(adj, x, s_src[:, :1], s_dst)

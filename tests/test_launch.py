@@ -1,0 +1,460 @@
+"""The launcher: supervisor, rank error handling, environment detection, set discovery, CLI checks.
+
+Supervisor tests use small ``python -c`` stand-ins for ranks; no training runs here.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bnsgcn.errors import UserError
+from bnsgcn.format import write_manifest
+from launch import cli
+from launch.discover import PartitionSet, check_world_size, choose_partition_set, find_partition_sets
+from launch.environment import (
+    RankEnvironment,
+    detect_rank_environment,
+    expand_slurm_nodelist,
+    first_slurm_host,
+    threads_per_rank,
+)
+from launch.network import free_port, port_in_use
+from launch.rank import report_errors, training_parser
+from launch.supervisor import Child, supervise
+
+PY = sys.executable
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PRINT_PID = "import os; print('pid', os.getpid(), flush=True)"
+SLEEP = PRINT_PID + "; import time; time.sleep(60)"
+# Variables that would switch bnsgcn-train into one-rank mode, or that it exports.
+LAUNCH_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
+    "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NNODES",
+    "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK",
+)
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"^pid (\d+)$", text, flags=re.MULTILINE)]
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, awaiting its reaper
+    except psutil.NoSuchProcess:
+        return True
+
+
+def run_supervised(children: list[Child], grace_s: float = 5.0) -> tuple[int, str, str, float]:
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    status = supervise(children, grace_s=grace_s, stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def make_set(directory: Path, parts: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    write_manifest(directory, {"parts": parts})
+    return directory
+
+
+@pytest.fixture
+def clean_environment():
+    """os.environ without launcher variables; restored in full afterwards (the one-rank
+    mode exports MASTER_ADDR, RANK, ... into it)."""
+    saved = dict(os.environ)
+    for name in LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+# --- supervisor -------------------------------------------------------------------------
+
+
+def test_all_ranks_succeed_and_output_is_forwarded():
+    code = "import os, sys; r = os.environ['R']; print('hello from', r); print('note', r, file=sys.stderr)"
+    children = [Child(r, [PY, "-c", code], os.environ | {"R": str(r)}) for r in range(3)]
+    status, out, err, _ = run_supervised(children)
+    assert status == 0
+    assert sorted(out.splitlines()) == ["hello from 0", "hello from 1", "hello from 2"]
+    assert sorted(err.splitlines()) == ["note 0", "note 1", "note 2"]
+
+
+def test_failing_rank_stops_the_others_quickly():
+    failing = PRINT_PID + "; import sys, time; print('warming up', file=sys.stderr); time.sleep(1.0); print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+    children = [Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", failing]), Child(2, [PY, "-c", SLEEP])]
+    status, out, err, elapsed = run_supervised(children)
+    assert status == 3
+    assert err.splitlines()[-1] == "error: rank 1 failed (exit code 3): ValueError: boom"
+    assert elapsed < 5.0  # 1 s until the failure, then SIGTERM ends the sleepers at once
+    pids = pids_in(out)
+    assert len(pids) == 3
+    assert all(is_gone(pid) for pid in pids)
+
+
+def test_rank_killed_by_signal_is_reported_by_name():
+    dying = PRINT_PID + "; import os, signal, sys, time; time.sleep(0.5); print('about to die', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    status, out, err, _ = run_supervised([Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", dying])])
+    assert status == 128 + signal.SIGKILL
+    assert err.splitlines()[-1] == "error: rank 1 failed (killed by SIGKILL): about to die"
+    assert all(is_gone(pid) for pid in pids_in(out))
+
+
+def test_rank_ignoring_sigterm_and_its_grandchild_are_killed_after_the_grace_period():
+    # The grandchild inherits the ignored SIGTERM: only SIGKILL to the process group ends it.
+    stubborn = (
+        "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('pid', os.getpid(), flush=True); print('pid', g.pid, flush=True); time.sleep(60)"
+    )
+    failing = "import sys, time; time.sleep(1.5); sys.exit('fatal: lost peer')"
+    status, out, err, elapsed = run_supervised([Child(0, [PY, "-c", stubborn]), Child(1, [PY, "-c", failing])], grace_s=0.5)
+    assert status == 1
+    assert err.splitlines()[-1] == "error: rank 1 failed (exit code 1): fatal: lost peer"
+    assert elapsed < 6.0
+    pids = pids_in(out)
+    assert len(pids) == 2
+    assert all(is_gone(pid) for pid in pids)
+
+
+def test_grandchild_of_a_successful_rank_is_not_left_behind():
+    spawner = "import subprocess, sys; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('pid', g.pid, flush=True)"
+    status, out, _, _ = run_supervised([Child(0, [PY, "-c", spawner])])
+    assert status == 0
+    [grandchild] = pids_in(out)
+    assert is_gone(grandchild)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_stops_every_rank(signum):
+    script = (
+        "import sys\nfrom launch.supervisor import Child, supervise\n"
+        f"sys.exit(supervise([Child(r, [sys.executable, '-c', {SLEEP!r}]) for r in range(2)]))\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
+    launcher = subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(30, launcher.kill)  # a hung test must not hang the suite
+    watchdog.start()
+    try:
+        pids = [int(launcher.stdout.readline().split()[1]) for _ in range(2)]
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=20)
+    finally:
+        watchdog.cancel()
+        launcher.kill()
+    assert launcher.returncode == 128 + signum
+    assert f"error: interrupted by {signal.Signals(signum).name}; stopped all 2 local ranks" in err
+    assert all(is_gone(pid) for pid in pids)
+
+
+def test_rank_entry_reports_user_errors_through_the_supervisor():
+    env = os.environ | {"RANK": "0", "PYTHONPATH": str(REPO_ROOT)}
+    status, _, err, _ = run_supervised([Child(0, [PY, "-m", "launch.rank", "--p", "2"], env)])
+    assert status == 2
+    assert err.splitlines()[-1].startswith("error: rank 0 failed (exit code 2): error: [rank 0] --p 2.0 is outside [0, 1]")
+
+
+# --- error handling shared by every rank ------------------------------------------------
+
+
+def _raise(exc: BaseException):
+    def work() -> int:
+        raise exc
+
+    return work
+
+
+def test_report_errors_user_error_is_one_line_with_rank(capsys):
+    assert report_errors(_raise(UserError("bad input; fix it")), rank=3, debug=False) == 2
+    assert capsys.readouterr().err == "error: [rank 3] bad input; fix it\n"
+    assert report_errors(_raise(UserError("bad input")), rank=None, debug=False) == 2
+    assert capsys.readouterr().err == "error: bad input\n"
+
+
+def test_report_errors_debug_adds_traceback(capsys):
+    assert report_errors(_raise(UserError("bad input")), rank=1, debug=True) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[rank 1] Traceback (most recent call last):"
+    assert lines[-1] == "error: [rank 1] bad input"
+
+
+def test_report_errors_other_exception_prints_prefixed_traceback(capsys):
+    assert report_errors(_raise(RuntimeError("kaput")), rank=2, debug=False) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[rank 2] Traceback (most recent call last):"
+    assert lines[-1] == "[rank 2] RuntimeError: kaput"
+    assert all(line.startswith("[rank 2] ") for line in lines)
+    assert report_errors(lambda: 7, rank=0, debug=False) == 7
+
+
+# --- torchrun / SLURM environment -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a1,b[8-10],c", ["a1", "b8", "b9", "b10", "c"]),
+        ("gpu[1-2]-r[08-09]", ["gpu1-r08", "gpu1-r09", "gpu2-r08", "gpu2-r09"]),
+        ("host-01.example.org", ["host-01.example.org"]),
+        ("n[7],m[001-002]", ["n7", "m001", "m002"]),
+    ],
+)
+def test_slurm_nodelist_expansion(nodelist, hosts):
+    assert expand_slurm_nodelist(nodelist) == hosts
+    assert first_slurm_host(nodelist) == hosts[0]
+
+
+@pytest.mark.parametrize("nodelist", ["", "node[1-", "node[3-1]", "a,,b", "a,", ",a", "n[x]", "n[1--2]"])
+def test_slurm_nodelist_malformed(nodelist):
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        expand_slurm_nodelist(nodelist)
+
+
+def test_detect_torchrun():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "2"}
+    ranks = detect_rank_environment(env, master_addr="127.0.0.1", master_port=29500, nnodes=1)
+    assert ranks == RankEnvironment("torchrun", 3, 4, 1, 2, "10.0.0.1", 1234, threads_per_rank(2), restart_count=2)
+
+
+def test_detect_slurm():
+    env = {
+        "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "gpu[03-04,09]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "6",
+    }
+    ranks = detect_rank_environment(env, master_addr="127.0.0.1", master_port=29511, nnodes=1)
+    assert ranks == RankEnvironment("slurm", 5, 8, 1, 4, "gpu03", 29511, 6)
+    exported: dict[str, str] = {}
+    ranks.export(exported)
+    assert exported == {"MASTER_ADDR": "gpu03", "MASTER_PORT": "29511", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    with_address = detect_rank_environment(env | {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "4000"}, master_addr="127.0.0.1", master_port=29511, nnodes=1)
+    assert (with_address.master_addr, with_address.master_port) == ("10.9.9.9", 4000)
+    # A batch script or salloc shell (no srun step), one launcher per node, or a one-task step:
+    # bnsgcn-train starts the ranks itself.
+    for other in (
+        {k: v for k, v in env.items() if k != "SLURM_STEP_ID"},
+        env | {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
+    ):
+        assert detect_rank_environment(other, master_addr="127.0.0.1", master_port=29500, nnodes=1) is None
+    assert detect_rank_environment(env, master_addr="127.0.0.1", master_port=29500, nnodes=2) is None
+    assert detect_rank_environment({}, master_addr="127.0.0.1", master_port=29500, nnodes=1) is None
+    with pytest.raises(UserError, match="SLURM_NTASKS"):
+        detect_rank_environment(env | {"SLURM_NTASKS": "eight"}, master_addr="127.0.0.1", master_port=29500, nnodes=1)
+
+
+# --- partition-set discovery ------------------------------------------------------------
+
+
+def test_discovery_takes_the_one_matching_set(tmp_path):
+    root = tmp_path / "parts"
+    make_set(root / "cora-2", 2)
+    make_set(root / "cora-4", 4)
+    (root / "empty").mkdir()
+    (root / "broken").mkdir()
+    (root / "broken" / "manifest.json").write_text("{not json")
+    assert find_partition_sets(root) == [PartitionSet(root / "cora-2", 2), PartitionSet(root / "cora-4", 4)]
+    assert choose_partition_set(None, 4, root) == PartitionSet(root / "cora-4", 4)
+    assert choose_partition_set(root / "cora-2", 4, root) == PartitionSet(root / "cora-2", 2)  # named: no matching
+
+
+def test_discovery_finds_the_root_itself(tmp_path):
+    root = make_set(tmp_path / "parts", 3)
+    assert choose_partition_set(None, None, root) == PartitionSet(root, 3)
+
+
+def test_discovery_none_matching(tmp_path):
+    root = tmp_path / "parts"
+    make_set(root / "cora-2", 2)
+    with pytest.raises(UserError, match=r"no partition set with 5 parts .*cora-2 \(2 parts\).*--parts-dir"):
+        choose_partition_set(None, 5, root)
+    with pytest.raises(UserError, match=r"no partition set found .*--parts-dir"):
+        choose_partition_set(None, 2, tmp_path / "elsewhere")
+
+
+def test_discovery_several_matching(tmp_path):
+    root = tmp_path / "parts"
+    make_set(root / "metis-2", 2)
+    make_set(root / "random-2", 2)
+    with pytest.raises(UserError, match=r"2 partition sets with 2 parts .*metis-2.*random-2.*--parts-dir"):
+        choose_partition_set(None, 2, root)
+    with pytest.raises(UserError, match="--parts-dir"):
+        choose_partition_set(None, None, root)
+
+
+def test_world_size_must_equal_parts(tmp_path):
+    check_world_size(PartitionSet(tmp_path, 4), 4)
+    with pytest.raises(UserError, match=r"3 ranks but partition set .* has 4 partitions; .*--procs 4"):
+        check_world_size(PartitionSet(tmp_path, 4), 3)
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_gpus_beyond_this_machine_names_the_cpu_alternative(tmp_path, monkeypatch, capsys, clean_environment):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    n = torch.cuda.device_count() + 1
+    status, _, err = run_cli(["--gpus", str(n)], capsys)
+    assert status == 2
+    assert err == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU with --procs {n} instead\n"
+
+
+def test_master_port_in_use(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert port_in_use(port)
+        status, out, err = run_cli(["--procs", "2", "--master-port", str(port)], capsys)
+    assert status == 2
+    assert "using partition set parts/two (2 parts)" in out
+    assert err.startswith(f"error: master port {port} is already in use on this machine; pass a free one, e.g. --master-port ")
+    assert not port_in_use(free_port())
+
+
+def test_ranks_must_match_partitions(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    two = make_set(tmp_path / "two", 2)
+    status, _, err = run_cli(["--procs", "3", "--parts-dir", str(two)], capsys)
+    assert status == 2
+    assert err == f"error: 3 ranks but partition set {two} has 2 partitions; run 2 ranks (e.g. --procs 2 on one machine) or re-partition into 3 parts with bnsgcn-partition\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nnodes", "0"], "--nnodes 0 must be at least 1"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside [0, 2)"),
+        (["--node-rank", "-1"], "--node-rank -1 is outside [0, 1)"),
+        (["--procs", "0"], "--procs 0 must be a positive integer"),
+        (["--procs", "2", "--device", "cuda"], "--procs starts CPU ranks but --device cuda"),
+        (["--master-port", "70000"], "--master-port 70000 is not a TCP port"),
+        (["--p", "1.5"], "--p 1.5 is outside [0, 1]"),
+    ],
+)
+def test_bad_launch_flags(argv, message, tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(argv, capsys)
+    assert status == 2
+    assert err.startswith(f"error: {message}")
+
+
+def test_parts_must_split_over_nodes(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "three", 3)
+    status, _, err = run_cli(["--nnodes", "2", "--master-addr", "10.0.0.1"], capsys)
+    assert status == 2
+    assert "does not split evenly over --nnodes 2" in err
+
+
+def test_training_argv_drops_launch_flags():
+    argv = ["--epochs", "5", "--procs=2", "--seed", "-1", "--nnodes", "1", "--out", "x", "--master-addr", "h", "--no-precompute"]
+    assert cli.training_argv(argv) == ["--epochs", "5", "--seed", "-1", "--out", "x", "--no-precompute"]
+
+
+def test_second_node_children(tmp_path, monkeypatch, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "four", 4)
+    make_set(tmp_path / "parts" / "two", 2)
+    argv = ["--nnodes", "2", "--node-rank", "1", "--procs", "2", "--master-addr", "10.1.2.3", "--master-port", "29555", "--epochs", "7", "--threads", "3"]
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+    assert [c.rank for c in children] == [2, 3]
+    for local, child in enumerate(children):
+        assert {k: child.env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")} == {
+            "RANK": str(2 + local), "LOCAL_RANK": str(local), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "OMP_NUM_THREADS": "3",
+        }
+        assert child.argv[:3] == [PY, "-m", "launch.rank"]
+        config = training_parser("rank").parse_args(child.argv[3:])
+        assert (config.epochs, config.threads, config.device, config.parts_dir) == (7, 3, "cpu", (tmp_path / "parts" / "four").resolve())
+
+
+def test_one_cpu_rank_per_partition_by_default(tmp_path, monkeypatch, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "three", 3)
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args([]), [])
+    assert [c.env["RANK"] for c in children] == ["0", "1", "2"]
+    assert {c.env["WORLD_SIZE"] for c in children} == {"3"}
+    assert {c.env["OMP_NUM_THREADS"] for c in children} == {str(threads_per_rank(3))}
+    assert children[0].argv[-6:] == ["--parts-dir", str((tmp_path / "parts" / "three").resolve()), "--device", "cpu", "--threads", str(threads_per_rank(3))]
+    assert not port_in_use(int(children[0].env["MASTER_PORT"]))
+
+
+def _capture_training(monkeypatch) -> list:
+    trained = []
+    monkeypatch.setattr(cli, "train", lambda config: trained.append(config) or 0)
+    return trained
+
+
+def test_torchrun_rank_resumes_after_elastic_restart(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", TORCHELASTIC_RESTART_COUNT="1")
+    assert run_cli(["--procs", "2", "--out", "run", "--epochs", "3"], capsys)[0] == 0
+    clean_environment["TORCHELASTIC_RESTART_COUNT"] = "0"
+    assert run_cli(["--procs", "2", "--out", "run", "--epochs", "3"], capsys)[0] == 0
+    resumed, fresh = trained
+    assert (resumed.resume, fresh.resume) == (True, False)
+    assert (resumed.device, resumed.parts_dir, resumed.epochs, resumed.threads) == ("cpu", (tmp_path / "parts" / "two").resolve(), 3, threads_per_rank(2))
+
+
+def test_torchrun_restart_without_out_warns_and_starts_fresh(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", TORCHELASTIC_RESTART_COUNT="2")
+    status, out, err = run_cli(["--procs", "2"], capsys)
+    assert status == 0
+    assert "using partition set parts/two" in out  # rank 0 tells which set it took
+    assert "elastic restart 2 without --out" in err
+    assert trained[0].resume is False
+
+
+def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="cn[5-6]", SLURM_NNODES="2")
+    status, out, _ = run_cli(["--procs", "2", "--epochs", "2"], capsys)
+    assert status == 0
+    assert out == ""  # only rank 0 announces the set
+    assert {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")} == {
+        "MASTER_ADDR": "cn5", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+    }
+    assert trained[0].device == "cpu"
+
+
+def test_rank_mode_errors_carry_the_rank(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0")
+    status, _, err = run_cli(["--procs", "1"], capsys)
+    assert status == 2
+    assert err.startswith("error: [rank 2] no partition set with 3 parts under parts/ (found: parts/two (2 parts))")
+    assert trained == []

@@ -1,0 +1,385 @@
+"""The partition step's assignment and files: every invariant a training rank relies on.
+
+Graphs are built directly (random, with isolated nodes, a path, clustered) so these tests
+do not depend on the dataset loaders. Every set is read back through
+``bnsgcn.format.load_partition`` and compared with the graph it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import partition.writer as writer_module
+from bnsgcn.errors import UserError
+from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest
+from partition.graph import Graph, canonical_csr
+from partition.partitioner import assign, method_info, random_assignment, read_assignment
+from partition.writer import find_reusable, format_report, write_partition_set
+
+
+def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False) -> Graph:
+    rng = np.random.default_rng(seed)
+    indptr, indices, directed = canonical_csr(src, dst, num_nodes)
+    num_classes = 4
+    labels = (rng.random((num_nodes, num_classes)) < 0.3).astype(np.uint8) if multilabel else rng.integers(0, num_classes, num_nodes)
+    split = rng.random(num_nodes)
+    return Graph(
+        name=name,
+        indptr=indptr,
+        indices=indices,
+        features=rng.standard_normal((num_nodes, 6)).astype(np.float32),
+        labels=labels,
+        train_mask=split < 0.4,
+        val_mask=(split >= 0.4) & (split < 0.6),
+        test_mask=split >= 0.6,
+        num_classes=num_classes,
+        multilabel=multilabel,
+        symmetrized=directed,
+    )
+
+
+def random_graph(num_nodes: int = 300, num_edges: int = 1500, seed: int = 0) -> Graph:
+    rng = np.random.default_rng(seed)
+    return make_graph("random", rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges), num_nodes, seed)
+
+
+def isolated_graph(seed: int = 1) -> Graph:
+    """Edges only among the first 200 of 260 nodes: 60+ isolated nodes; multi-label."""
+    rng = np.random.default_rng(seed)
+    return make_graph("isolated", rng.integers(0, 200, 800), rng.integers(0, 200, 800), 260, seed, multilabel=True)
+
+
+def path_graph(num_nodes: int = 30) -> Graph:
+    nodes = np.arange(num_nodes - 1)
+    return make_graph("path", nodes, nodes + 1, num_nodes, seed=2)
+
+
+GRAPHS = {"random": random_graph, "isolated": isolated_graph, "path": path_graph}
+
+
+def edge_keys(graph: Graph) -> np.ndarray:
+    """Sorted ``dst * N + src`` of every edge plus one self-loop per node."""
+    n = graph.num_nodes
+    dst = np.repeat(np.arange(n), graph.in_degree())
+    keys = np.concatenate([dst * n + graph.indices, np.arange(n) * (n + 1)])
+    return np.sort(keys)
+
+
+def check_partition_set(graph: Graph, out_dir: Path, parts: int) -> None:
+    """Assert every invariant of the format against ``graph``."""
+    n = graph.num_nodes
+    loaded = [load_partition(out_dir, k, verify=True) for k in range(parts)]
+    manifest = read_manifest(out_dir)
+    assert manifest["parts"] == parts and len(manifest["partitions"]) == parts
+    assert manifest["dataset"]["num_nodes"] == n and manifest["dataset"]["num_edges"] == graph.num_edges
+
+    # Inner sets: ascending, disjoint, covering.
+    inner = [p["inner_nodes"] for p in loaded]
+    for nodes in inner:
+        assert np.all(np.diff(nodes) > 0)
+    assert np.array_equal(np.sort(np.concatenate(inner)), np.arange(n))
+    owner = np.empty(n, dtype=np.int64)
+    for k, nodes in enumerate(inner):
+        owner[nodes] = k
+
+    in_degree = graph.in_degree()
+    dst_all = np.repeat(np.arange(n), in_degree)
+    src_all = graph.indices.astype(np.int64)
+    reconstructed = []
+    for k, p in enumerate(loaded):
+        boundary = p["boundary_nodes"]
+        # Boundary = exactly the off-partition in-neighbours of the inner nodes, grouped by owner then id.
+        into_k = (owner[dst_all] == k) & (owner[src_all] != k)
+        assert np.array_equal(np.sort(boundary), np.unique(src_all[into_k]))
+        assert np.array_equal(np.lexsort((boundary, owner[boundary])), np.arange(boundary.shape[0]))
+        offsets = p["boundary_offsets"]
+        assert np.array_equal(np.diff(offsets), np.bincount(owner[boundary], minlength=parts))
+        assert offsets[k] == offsets[k + 1]  # no boundary node is owned by k itself
+
+        # Local CSR: one row per inner node, ascending columns, self-loop in every row.
+        indptr, indices = p["adj_indptr"], p["adj_indices"].astype(np.int64)
+        assert indptr.shape[0] == inner[k].shape[0] + 1 and indptr[-1] == indices.shape[0]
+        rows = np.repeat(np.arange(inner[k].shape[0]), np.diff(indptr))
+        same_row = rows[1:] == rows[:-1]
+        assert np.all(np.diff(indices)[same_row] > 0)
+        assert np.all(np.isin(np.arange(inner[k].shape[0]), indices[indices == rows]))
+        local_to_global = np.concatenate([inner[k], boundary])
+        reconstructed.append(inner[k][rows] * n + local_to_global[indices])
+
+        # Full-graph degrees with the self-loop, for inner and boundary columns.
+        assert np.array_equal(p["degree"], (in_degree[local_to_global] + 1).astype(np.float32))
+        # Node data of the inner nodes.
+        assert np.array_equal(p["features"], graph.features[inner[k]])
+        assert np.array_equal(p["labels"], graph.labels[inner[k]])
+        for mask in ("train_mask", "val_mask", "test_mask"):
+            assert np.array_equal(p[mask], getattr(graph, mask)[inner[k]])
+
+        entry = manifest["partitions"][k]
+        assert entry["n_inner"] == inner[k].shape[0] and entry["n_boundary"] == boundary.shape[0]
+        assert entry["cut_edges"] == int(into_k.sum())
+        assert entry["local_edges"] + entry["cut_edges"] == int(in_degree[inner[k]].sum())
+        assert entry["train_nodes"] == int(graph.train_mask[inner[k]].sum())
+
+    # Every edge and every self-loop appears in exactly one partition.
+    assert np.array_equal(np.sort(np.concatenate(reconstructed)), edge_keys(graph))
+
+    # Send lists: what k sends to q is q's boundary owned by k, in q's order.
+    for k, p in enumerate(loaded):
+        send_offsets, send_nodes = p["send_offsets"], p["send_nodes"]
+        assert send_offsets.shape == (parts + 1,) and send_offsets[-1] == send_nodes.shape[0]
+        for q, peer in enumerate(loaded):
+            sent = inner[k][send_nodes[send_offsets[q]:send_offsets[q + 1]]]
+            expected = peer["boundary_nodes"][peer["boundary_offsets"][k]:peer["boundary_offsets"][k + 1]]
+            assert np.array_equal(sent, expected if q != k else expected[:0])
+
+    totals = manifest["report"]["totals"]
+    assert totals["inner"] == n and totals["cut_edges"] + totals["local_edges"] == graph.num_edges
+    assert totals["boundary"] == sum(p["boundary_nodes"].shape[0] for p in loaded)
+
+
+def write_set(graph: Graph, out_dir: Path, parts: int, method: str = "metis", objective: str = "cut", seed: int = 0, **kwargs) -> dict:
+    assignment = assign(graph, parts, method, objective, seed)
+    return write_partition_set(graph, assignment, out_dir, parts=parts, method_info=method_info(method, objective, seed),
+                               progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+@pytest.mark.parametrize("method", ["metis", "random"])
+def test_partition_set_invariants(tmp_path, graph_name, parts, method):
+    graph = GRAPHS[graph_name]()
+    write_set(graph, tmp_path / "set", parts, method, objective="vol" if parts == 3 else "cut")
+    check_partition_set(graph, tmp_path / "set", parts)
+
+
+def test_empty_partition_from_assignment_file(tmp_path):
+    graph = random_graph(100, 400)
+    assignment = np.where(np.arange(100) < 40, 0, 2)  # partition 1 gets nothing
+    path = tmp_path / "assignment.txt"
+    path.write_text("\n".join(map(str, assignment)) + "\n")
+    assert np.array_equal(assign(graph, 3, assignment_file=path), assignment)
+    write_partition_set(graph, assign(graph, 3, assignment_file=path), tmp_path / "set", parts=3,
+                        method_info=method_info("metis", "cut", 0, path), progress=False)
+    check_partition_set(graph, tmp_path / "set", 3)
+    assert read_manifest(tmp_path / "set")["partitions"][1]["n_inner"] == 0
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("method", ["metis", "random"])
+def test_same_seed_gives_identical_files(tmp_path, method):
+    graph = random_graph(400, 2400, seed=5)
+    for name in ("a", "b"):
+        write_set(graph, tmp_path / name, 4, method, seed=7)
+    first = digests(tmp_path / "a")
+    assert len(first) == 1 + 4 * len(PART_ARRAYS)
+    assert first == digests(tmp_path / "b")
+    write_set(graph, tmp_path / "c", 4, method, seed=8)
+    assert digests(tmp_path / "c") != first
+
+
+def test_parts_one_is_all_zeros_and_bounds_are_checked():
+    graph = path_graph(10)
+    assert np.array_equal(assign(graph, 1), np.zeros(10, dtype=np.int64))
+    for parts in (0, -3, 11):
+        with pytest.raises(UserError, match="--parts"):
+            assign(graph, parts)
+    assert np.array_equal(np.sort(assign(graph, 10, "random")), np.arange(10))
+
+
+def test_random_assignment_is_stratified_and_seeded():
+    train = np.random.default_rng(3).random(1001) < 0.27
+    assignment = random_assignment(train, 4, seed=11)
+    for counts in (np.bincount(assignment, minlength=4), np.bincount(assignment[train], minlength=4)):
+        assert counts.max() - counts.min() <= 1
+    assert np.array_equal(assignment, random_assignment(train, 4, seed=11))
+    assert not np.array_equal(assignment, random_assignment(train, 4, seed=12))
+
+
+def clustered_graph(clusters: int = 4, size: int = 250, seed: int = 4) -> Graph:
+    """Dense clusters joined by few edges, with every training node in cluster 0."""
+    rng = np.random.default_rng(seed)
+    n = clusters * size
+    cluster = rng.integers(0, clusters, 8000)
+    src = cluster * size + rng.integers(0, size, 8000)
+    dst = cluster * size + rng.integers(0, size, 8000)
+    bridges = rng.integers(0, n, (2, 40))
+    graph = make_graph("clustered", np.concatenate([src, bridges[0]]), np.concatenate([dst, bridges[1]]), n, seed)
+    graph.train_mask = np.arange(n) < size
+    return graph
+
+
+def test_metis_balances_nodes_and_training_nodes():
+    # Cutting along the clusters would leave all training nodes on one rank; the second
+    # balance constraint must spread them.
+    graph = clustered_graph()
+    for objective in ("cut", "vol"):
+        assignment = assign(graph, 4, "metis", objective, seed=0)
+        sizes = np.bincount(assignment, minlength=4)
+        train = np.bincount(assignment[graph.train_mask], minlength=4)
+        assert sizes.max() <= 1.1 * sizes.mean()
+        assert train.max() <= 1.1 * train.mean()
+        assert np.array_equal(assignment, assign(graph, 4, "metis", objective, seed=0))
+
+
+def test_metis_cuts_fewer_edges_than_random():
+    graph = clustered_graph()
+    graph.train_mask = np.zeros(graph.num_nodes, dtype=bool)  # single constraint: clusters can be kept whole
+    dst = np.repeat(np.arange(graph.num_nodes), graph.in_degree())
+
+    def cut(assignment: np.ndarray) -> int:
+        return int(np.sum(assignment[dst] != assignment[graph.indices]))
+
+    assert cut(assign(graph, 4, "metis")) < 0.2 * cut(assign(graph, 4, "random"))
+
+
+def test_assignment_file_validation(tmp_path):
+    good = np.arange(50) % 3
+    np.save(tmp_path / "good.npy", good)
+    assert np.array_equal(read_assignment(tmp_path / "good.npy", 3, 50), good)
+    (tmp_path / "good.txt").write_text("\n".join(map(str, good)))
+    assert np.array_equal(read_assignment(tmp_path / "good.txt", 3, 50), good)
+    np.save(tmp_path / "short.npy", good[:-1])
+    np.save(tmp_path / "range.npy", good + 1)
+    np.save(tmp_path / "float.npy", good + 0.5)
+    (tmp_path / "text.txt").write_text("0\n1\nx\n")
+    (tmp_path / "corrupt.npy").write_bytes(b"\x93NUMPY garbage")
+    cases = {"short.npy": "50 nodes", "range.npy": "outside 0..2", "float.npy": "non-integer",
+             "text.txt": "unreadable", "corrupt.npy": "unreadable", "missing.npy": "not found"}
+    for name, message in cases.items():
+        with pytest.raises(UserError, match=message):
+            read_assignment(tmp_path / name, 3, 50)
+    info = method_info("random", "vol", 5, tmp_path / "good.npy")
+    assert info["method"] == "file" and info["seed"] is None and len(info["assignment_file"]["sha256"]) == 64
+
+
+def test_method_info_normalises_irrelevant_settings():
+    assert method_info("random", "cut", 1) == method_info("random", "vol", 1)
+    assert method_info("metis", "cut", 1) != method_info("metis", "vol", 1)
+    for bad in (("spectral", "cut"), ("metis", "size")):
+        with pytest.raises(UserError, match="choose"):
+            method_info(*bad, 0)
+
+
+def test_reuse_force_and_conflicts(tmp_path):
+    graph = random_graph(120, 500)
+    out = tmp_path / "set"
+    write_set(graph, out, 2)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*.npy")}
+    # Same request: reused, nothing rewritten.
+    manifest = write_set(graph, out, 2)
+    assert manifest == read_manifest(out)
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*.npy")}
+    # Different request without force: refused, old set untouched.
+    with pytest.raises(UserError, match="--force"):
+        write_set(graph, out, 2, seed=3)
+    assert read_manifest(out)["partitioner"]["seed"] == 0
+    # With force: rewritten.
+    write_set(graph, out, 2, seed=3, force=True)
+    assert read_manifest(out)["partitioner"]["seed"] == 3
+    check_partition_set(graph, out, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]  # no temp or old dirs left
+
+
+def test_truncated_set_is_not_reused(tmp_path):
+    graph = random_graph(120, 500)
+    out = tmp_path / "set"
+    write_set(graph, out, 2)
+    features = out / "part-1" / "features.npy"
+    features.write_bytes(features.read_bytes()[:-8])
+    info = method_info("metis", "cut", 0)
+    with pytest.raises(UserError, match="incomplete"):
+        find_reusable(out, graph.name, 2, info)
+    assert find_reusable(out, graph.name, 2, info, force=True) is None
+    write_set(graph, out, 2, force=True)
+    check_partition_set(graph, out, 2)
+
+
+def test_foreign_directory_is_never_replaced(tmp_path):
+    graph = random_graph(60, 200)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    for force in (False, True):
+        with pytest.raises(UserError, match="not a partition set"):
+            write_set(graph, out, 2, force=force)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    graph = random_graph(120, 500)
+    out = tmp_path / "new" / "set"
+    real_write_array = writer_module.write_array
+    calls = {"n": 0}
+
+    def failing_write_array(part_dir, name, array):
+        calls["n"] += 1
+        if calls["n"] == len(PART_ARRAYS) + 3:  # part-1, a few arrays in
+            raise KeyboardInterrupt
+        return real_write_array(part_dir, name, array)
+
+    monkeypatch.setattr(writer_module, "write_array", failing_write_array)
+    with pytest.raises(KeyboardInterrupt):
+        write_set(graph, out, 3)
+    assert list(tmp_path.iterdir()) == []  # not even the parent created for it
+
+    # An interrupted --force rewrite keeps the old, valid set.
+    monkeypatch.setattr(writer_module, "write_array", real_write_array)
+    write_set(graph, out, 3)
+    calls["n"] = 0
+    monkeypatch.setattr(writer_module, "write_array", failing_write_array)
+    with pytest.raises(KeyboardInterrupt):
+        write_set(graph, out, 3, seed=9, force=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["set"]
+    assert read_manifest(out)["partitioner"]["seed"] == 0
+    check_partition_set(graph, out, 3)
+
+
+def test_self_loops_in_graph_are_rejected(tmp_path):
+    graph = path_graph(5)
+    graph.indices = graph.indices.copy()
+    graph.indices[0] = 0  # node 0 now lists itself
+    with pytest.raises(ValueError, match="self-loops"):
+        write_set(graph, tmp_path / "set", 1)
+    assert not (tmp_path / "set").exists()
+
+
+def test_report_table_lists_every_partition(tmp_path):
+    graph = random_graph(200, 800)
+    report = write_set(graph, tmp_path / "set", 3)["report"]
+    table = format_report(report)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3 + 1 + 2
+    for row in report["rows"]:
+        assert any(line.split()[:3] == [str(row["part"]), f"{row['inner']:,}", f"{row['boundary']:,}"] for line in lines)
+    ratios = [row["boundary"] / row["inner"] for row in report["rows"]]
+    assert report["totals"]["ratio_max"] == pytest.approx(max(ratios), abs=1e-4)
+    assert report["totals"]["ratio_mean"] == pytest.approx(np.mean(ratios), abs=1e-4)
+
+
+def test_worked_example_of_the_format_docs(tmp_path):
+    """The 5-node example of docs/partition-format.md, derived by hand."""
+    graph = make_graph("tiny", np.array([0, 1, 2, 3, 1]), np.array([1, 2, 3, 4, 4]), 5, seed=0)
+    write_partition_set(graph, np.array([0, 0, 1, 1, 0]), tmp_path / "set", parts=2,
+                        method_info=method_info("metis", "cut", 0), progress=False)
+    expected = [
+        {"inner_nodes": [0, 1, 4], "boundary_nodes": [2, 3], "boundary_offsets": [0, 0, 2],
+         "adj_indptr": [0, 2, 6, 9], "adj_indices": [0, 1, 0, 1, 2, 3, 1, 2, 4],
+         "degree": [2, 4, 3, 3, 3], "send_offsets": [0, 0, 2], "send_nodes": [1, 2]},
+        {"inner_nodes": [2, 3], "boundary_nodes": [1, 4], "boundary_offsets": [0, 2, 2],
+         "adj_indptr": [0, 3, 6], "adj_indices": [0, 1, 2, 0, 1, 3],
+         "degree": [3, 3, 4, 3], "send_offsets": [0, 2, 2], "send_nodes": [0, 1]},
+    ]
+    for k, arrays in enumerate(expected):
+        loaded = load_partition(tmp_path / "set", k)
+        for name, values in arrays.items():
+            assert loaded[name].tolist() == values, (k, name)
+    rows = read_manifest(tmp_path / "set")["report"]["rows"]
+    assert [(r["local_edges"], r["cut_edges"], r["ratio"]) for r in rows] == [(4, 2, 0.6667), (2, 2, 1.0)]
