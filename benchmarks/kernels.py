@@ -5,6 +5,7 @@ Measures, with the same thread count in one process:
     torch.sparse.mm on a CSR tensor and its autograd backward (which transposes A);
   * effective bandwidth (bytes touched / time) against the measured copy bandwidth;
   * gat_aggregate forward/backward (numba and the pure-torch fallback);
+  * Adjacency.select_columns (a random half of the columns kept), numba and torch;
   * numba first-call times: cold compile (empty cache) and load from the on-disk cache.
 
 Example:
@@ -133,6 +134,15 @@ def bench_gat(adj: Adjacency, heads: int, head_dim: int, repeat: int, backend: s
     return {"forward_s": fwd, "backward_s": bwd}
 
 
+def bench_select_columns(adj: Adjacency, repeat: int, backend: str) -> float:
+    """Seconds to drop a random half of the columns (the per-epoch boundary sampling step)."""
+    os.environ[ENV_VAR] = backend
+    keep = torch.rand(adj.n_cols, generator=torch.Generator().manual_seed(2)) < 0.5
+    seconds = best_time(lambda: adj.select_columns(keep), repeat)
+    os.environ[ENV_VAR] = "auto"
+    return seconds
+
+
 _FIRST_CALL_SCRIPT = """
 import json, time, torch
 torch.set_num_threads({threads})
@@ -192,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     spmm_result["ours_forward_of_roofline"] = spmm_result["ours_forward_GBps"] * 1e9 / bandwidth
     spmm_result["ours_backward_of_roofline"] = spmm_result["ours_backward_GBps"] * 1e9 / bandwidth
     gat = {b: bench_gat(adj, args.heads, args.head_dim, args.repeat, b) for b in ("numba", "torch")}
+    select = {b: bench_select_columns(adj, args.repeat, b) for b in ("numba", "torch")}
     result = {
         "date": date.today().isoformat(),
         "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "spmm": spmm_result,
         "gat": gat,
+        "select_columns_half_s": select,
         "numba_first_call": compile_times,
     }
     text = json.dumps(result, indent=2)

@@ -90,10 +90,14 @@ class BoundaryExchange:
         self.grad_buffer = _Buffer()
         self.recv_buffers: dict[int, _Buffer] = {}
 
-    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int) -> torch.Tensor:
-        """Rows of sampled boundary nodes. ``x_inner`` [n_inner, *row] -> [plan.num_received, *row]."""
+    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> torch.Tensor:
+        """Rows of sampled boundary nodes. ``x_inner`` [n_inner, *row] -> [plan.num_received, *row].
+
+        ``category`` names the forward traffic in the byte counts; gradients are counted
+        as ``gradients``.
+        """
         recv = self.recv_buffers.setdefault(slot, _Buffer())
-        return _Exchange.apply(x_inner, plan, self, recv)
+        return _Exchange.apply(x_inner, plan, self, recv, category)
 
     def send(self, x_inner: torch.Tensor, plan: ExchangePlan, recv: _Buffer, category: str) -> torch.Tensor:
         row = tuple(x_inner.shape[1:])
@@ -105,9 +109,9 @@ class BoundaryExchange:
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_inner, plan, exchange, recv):  # noqa: D102
+    def forward(ctx, x_inner, plan, exchange, recv, category):  # noqa: D102
         ctx.plan, ctx.exchange, ctx.n_inner = plan, exchange, x_inner.shape[0]
-        return exchange.send(x_inner.detach(), plan, recv, "features")
+        return exchange.send(x_inner.detach(), plan, recv, category)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
@@ -117,7 +121,7 @@ class _Exchange(torch.autograd.Function):
         grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_out)
         exchange.comm.all_to_all(grad_out, plan.recv_counts, plan.send_counts, grad_send, "gradients")
         grad_x = grad_out.new_zeros((ctx.n_inner, *row)).index_add_(0, plan.send_index, grad_send)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 @torch.no_grad()

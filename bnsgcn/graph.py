@@ -67,10 +67,11 @@ class EpochGraph:
     column_weight: torch.Tensor | None
     plan: ExchangePlan
     exchange: BoundaryExchange
+    traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
 
     def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners."""
-        return self.exchange(x_inner, self.plan, slot)
+        return self.exchange(x_inner, self.plan, slot, self.traffic)
 
 
 class ShardGraph:
@@ -86,7 +87,7 @@ class ShardGraph:
         self.boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, None if values is None else values[~is_inner]).to(device)
         self.full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values).to(device) if model == "gat" else None
 
-    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange) -> EpochGraph:
+    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange, traffic: str = "features") -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
         keep = keep.to(self.device)
         scale = 1.0 / p if p > 0 else 1.0
@@ -99,4 +100,4 @@ class ShardGraph:
             full = self.full.select_columns(keep_full)
             column_weight = torch.ones(full.n_cols, device=self.device)
             column_weight[self.topology.n_inner :] = scale
-        return EpochGraph(self.inner, boundary, full, column_weight, plan, exchange)
+        return EpochGraph(self.inner, boundary, full, column_weight, plan, exchange, traffic)

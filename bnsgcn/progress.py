@@ -68,6 +68,7 @@ class Progress:
         self._tty = _is_tty(self.stream)
         self._start = time.perf_counter()
         self._last_write = self._start
+        self._written_count: int | None = None  # count shown by the last line written
         self._closed = False
 
     def __enter__(self) -> Progress:
@@ -87,10 +88,11 @@ class Progress:
             self._write(final=False)
 
     def close(self) -> None:
-        """Write the final line (once)."""
+        """Write the final line (once; in a log, only if the last line is out of date)."""
         if not self._closed:
             self._closed = True
-            self._write(final=True)
+            if self._tty or self._written_count != self.count:
+                self._write(final=True)
 
     def line(self) -> str:
         """The current status text: ``desc: 3/8 (37%) 1.2/s, ETA 4.1s``."""
@@ -108,6 +110,7 @@ class Progress:
     def _write(self, final: bool) -> None:
         if not self.enabled:
             return
+        self._written_count = self.count
         if self._tty:
             # \x1b[K clears what a longer previous line left behind.
             self.stream.write("\r" + self.line() + "\x1b[K" + ("\n" if final else ""))

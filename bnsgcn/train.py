@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import checkpoint
+from . import checkpoint, report
+from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, static_figures, tensor_bytes
 from .comm import Comm, init_from_env
 from .config import TrainConfig
 from .errors import UserError
@@ -176,67 +177,58 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
     metrics = MetricsWriter(metric_paths, append=start_epoch > 0) if comm.rank == 0 else None
 
+    comm.stats.reset()  # setup traffic is not an epoch's
+    totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
     last_loss = float("nan")
     for epoch in range(start_epoch, config.epochs):
-        comm.stats.reset()
+        account = EpochAccount()
         t0 = time.perf_counter()
-        # sample -> exchange selections
-        keep = sample_boundary(train_inputs.topology.n_boundary, config.p, config.seed, comm.rank, epoch)
-        plan = make_plan(comm, train_inputs.topology, keep, config.p)
-        g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
-        t_sample = time.perf_counter() - t0
-        # forward / backward / reduce / step
+        with account.timed("sampling"):  # sample -> exchange selections -> this epoch's graph
+            keep = sample_boundary(train_inputs.topology.n_boundary, config.p, config.seed, comm.rank, epoch)
+            plan = make_plan(comm, train_inputs.topology, keep, config.p)
+            g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
         model.train()
         torch.manual_seed(derive_seed(config.seed, comm.rank, epoch, 1))  # dropout
-        logits = model(train_inputs.features, g, train_inputs.x_agg)
-        mask = train_inputs.train_mask
-        loss_sum = _loss_sum(logits[mask], train_inputs.labels[mask], shard.multilabel)
+        with account.timed("forward"), account.saved_tensors():
+            logits = model(train_inputs.features, g, train_inputs.x_agg)
+            mask = train_inputs.train_mask
+            loss_sum = _loss_sum(logits[mask], train_inputs.labels[mask], shard.multilabel)
         optimizer.zero_grad(set_to_none=False)
-        (loss_sum / global_train).backward()
-        t_reduce = time.perf_counter()
-        reducer.finish()
-        t_reduce = time.perf_counter() - t_reduce
+        with account.timed("backward"):
+            (loss_sum / global_train).backward()
+        with account.timed("reduction"):
+            reducer.finish()
         optimizer.step()
-        epoch_time = time.perf_counter() - t0
-        # per-rank figures, gathered with the loss in one small all-reduce
-        stats = comm.stats
-        row = torch.zeros(comm.world_size, 8, dtype=torch.float64)
-        exchange_s = stats.seconds["features"] + stats.seconds["gradients"]
-        row[comm.rank] = torch.tensor([
-            float(loss_sum.detach()), plan.num_received, epoch_time, t_sample, exchange_s, t_reduce,
-            sum(stats.sent.values()), sum(stats.received.values()),
-        ], dtype=torch.float64)
-        table = comm.all_reduce(row.to(comm.device)).cpu()
-        last_loss = float(table[:, 0].sum()) / global_train
-        record = {
-            "epoch": epoch + 1,
-            "loss": last_loss,
-            "sampled_boundary": int(table[:, 1].sum()),
-            "time": {
-                "epoch": float(table[:, 2].max()),
-                "sampling": float(table[:, 3].max()),
-                "exchange": float(table[:, 4].max()),
-                "reduction": float(table[:, 5].max()),
-                "compute": float((table[:, 2] - table[:, 3] - table[:, 4] - table[:, 5]).max()),
-            },
-            "bytes_sent": int(table[:, 6].sum()),
-            "bytes_received": int(table[:, 7].sum()),
-        }
-        if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
-            scores = _evaluate(model, eval_inputs, shard, comm, exchange)
+        account.values.update(loss_sum=float(loss_sum.detach()), sampled_boundary=plan.num_received)
+        evaluate = (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs
+        if evaluate:
+            with account.timed("evaluation"):
+                scores = _evaluate(model, eval_inputs, shard, comm, exchange)
+        account.values["epoch_time"] = time.perf_counter() - t0
+        account.take_comm(comm)
+        table = account.gather(comm)
+        totals += table
+        last_loss = float(table[:, INDEX["loss_sum"]].sum()) / global_train
+        record = _epoch_record(epoch + 1, last_loss, table)
+        if evaluate:
             record.update(scores)
             if scores["val_score"] > best["val_score"]:
                 best = {"val_score": scores["val_score"], "epoch": epoch + 1, "test_score": scores["test_score"], "state": copy.deepcopy(model.state_dict())}
-            log.info("epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)", epoch + 1, last_loss, scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"])
-        if metrics:
+        if comm.rank == 0:
             metrics.write(record)
-        if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0 and comm.rank == 0:
-            checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
+            if evaluate:
+                log.info("epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)", epoch + 1, last_loss, scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"])
+            if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0:
+                checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
         if config.checkpoint_every:
             comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
+    partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, eval_inputs.x_agg, train_inputs.x_agg)
+    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes))
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best["val_score"], "best_epoch": best["epoch"], "test_score": best["test_score"], "run_dir": str(run_dir)}
     if comm.rank == 0:
+        epochs_run = config.epochs - start_epoch
+        report.write(run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": config.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
         if best["state"] is not None:
             torch.save(best["state"], run_dir / "best_model.pt")
         metrics.write(summary)
@@ -245,13 +237,37 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     return summary | {"model": model}
 
 
+def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
+    """The job-level JSON line of one epoch: times of the slowest rank, bytes of all ranks."""
+    col = lambda name: table[:, INDEX[name]]  # noqa: E731
+    exchange = col("time_exchange_forward") + col("time_exchange_backward")
+    compute = col("time_forward") + col("time_backward") - exchange
+    return {
+        "epoch": epoch,
+        "loss": loss,
+        "sampled_boundary": int(col("sampled_boundary").sum()),
+        "time": {
+            "epoch": float(col("epoch_time").max()),
+            "sampling": float(col("time_sampling").max()),
+            "exchange": float(exchange.max()),
+            "compute": float(compute.max()),
+            "reduction": float(col("time_reduction").max()),
+            "evaluation": float(col("time_evaluation").max()),
+            "idle": float(col("time_idle").max()),
+        },
+        "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
+        "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),
+        "bytes_sent_by_kind": {c: int(col(f"sent_{c}").sum()) for c in CATEGORIES},
+    }
+
+
 @torch.no_grad()
 def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchange: BoundaryExchange) -> dict[str, float]:
     """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
     model.eval()
     topo = inputs.topology
     keep = torch.ones(topo.n_boundary, dtype=torch.bool)
-    g = inputs.graph.epoch(keep, 1.0, full_plan(topo, comm.device), exchange)
+    g = inputs.graph.epoch(keep, 1.0, full_plan(topo, comm.device), exchange, traffic="evaluation")
     logits = model(inputs.features, g, inputs.x_agg)
     counts = comm.all_reduce(_score_counts(logits, shard).to(comm.device)).cpu()
     return _scores(counts, shard.multilabel)

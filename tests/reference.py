@@ -3,13 +3,14 @@ the engine's layers and kernels: the ground truth for the exactness tests."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from bnsgcn.config import TrainConfig
 from bnsgcn.model import GNN
-from partition.graph import Graph
+from partition.graph import Graph, canonical_csr
 
 
 def dense_adjacency(graph: Graph) -> Tensor:
@@ -19,6 +20,17 @@ def dense_adjacency(graph: Graph) -> Tensor:
     rows = torch.repeat_interleave(torch.arange(n), torch.from_numpy(graph.in_degree()))
     a[rows, torch.from_numpy(graph.indices.astype("int64"))] = 1.0
     return a + torch.eye(n, dtype=torch.float64)
+
+
+def induced_by_train_nodes(graph: Graph) -> Graph:
+    """The subgraph induced by the training nodes (all of them training nodes)."""
+    keep = graph.train_mask
+    new_id = np.cumsum(keep) - 1
+    rows = np.repeat(np.arange(graph.num_nodes), graph.in_degree())
+    edge = keep[rows] & keep[graph.indices]
+    indptr, indices, _ = canonical_csr(new_id[graph.indices[edge]], new_id[rows[edge]], int(keep.sum()))
+    ones = np.ones(int(keep.sum()), dtype=bool)
+    return Graph("induced", indptr, indices, graph.features[keep], graph.labels[keep], ones, ~ones, ~ones, graph.num_classes, graph.multilabel)
 
 
 def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
@@ -70,7 +82,10 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     losses = []
     for _ in range(config.epochs):
         logits = forward(config, a, params, x)
-        loss = F.cross_entropy(logits[train_mask], labels[train_mask])
+        if graph.multilabel:
+            loss = F.binary_cross_entropy_with_logits(logits[train_mask], labels[train_mask].double(), reduction="sum") / int(train_mask.sum())
+        else:
+            loss = F.cross_entropy(logits[train_mask], labels[train_mask])
         opt.zero_grad()
         loss.backward()
         opt.step()

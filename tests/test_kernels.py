@@ -133,8 +133,8 @@ def test_results_do_not_depend_on_thread_count(backend):
             results.append((y, z, *grads))
     finally:
         torch.set_num_threads(previous)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(*results):  # every output row has one writer, in a fixed order: bitwise equal
+        assert torch.equal(a, b)
 
 
 def test_numba_spmm_kernel_accepts_int64_indices():
@@ -173,7 +173,7 @@ def test_select_columns_matches_dense_slicing(backend, weighted):
     assert torch.autograd.gradcheck(lambda x: spmm(sub, x), (x,))
 
 
-def test_select_columns_dropping_everything():
+def test_select_columns_dropping_everything(backend):
     _, adj = make_case(10, 12, True, torch.float32)
     empty = adj.select_columns(torch.zeros(12, dtype=torch.bool))
     assert (empty.n_rows, empty.n_cols, empty.nnz) == (10, 0, 0)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from .backend import kernel_backend
 
 _INT32_MAX = 2**31 - 1
 
@@ -110,31 +111,13 @@ class Adjacency:
     def select_columns(self, keep: Tensor) -> Adjacency:
         """Keep the columns where ``keep [n_cols]`` (bool) is true, renumbered ``0..k-1`` in order.
 
-        Both CSRs are filtered in O(nnz) with vectorised ops; nothing is re-sorted. Kept entries
-        keep their relative order, so forward rows and transposed columns stay sorted.
+        Both CSRs are filtered in O(nnz) (by the kernel backend of A's device); nothing is
+        re-sorted: kept entries keep their relative order, so forward rows and transposed
+        columns stay sorted.
         """
         if keep.shape != (self.n_cols,) or keep.dtype != torch.bool:
             raise UserError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
-        keep = keep.to(self.device)
-        new_column = torch.cumsum(keep, 0) - 1
-        edge_kept = keep[self.indices]
-        # kept_before[e] = number of kept entries before forward entry e = its new edge id.
-        kept_before = torch.zeros(self.nnz + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(edge_kept, 0, out=kept_before[1:])
-        indptr = kept_before[self.indptr]
-        # Renumbered ids are no larger than the old ones: the index dtypes carry over.
-        indices = new_column[self.indices[edge_kept]].to(self.indices.dtype)
-        values = None if self.values is None else self.values[edge_kept]
-
-        # Transposed rows are whole columns: keep or drop each segment.
-        t_kept = edge_kept[self.t_edge]
-        column_nnz = self.t_indptr.diff()[keep]
-        t_indptr = torch.zeros(column_nnz.numel() + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(column_nnz, 0, out=t_indptr[1:])
-        t_indices = self.t_indices[t_kept]
-        t_edge = kept_before[self.t_edge[t_kept].to(torch.int64)].to(self.t_edge.dtype)
-        t_values = None if self.t_values is None else self.t_values[t_kept]
-        return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, column_nnz.numel())
+        return kernel_backend(self.device).select_columns(self, keep.to(self.device))
 
     def row_sums(self) -> Tensor:
         """Float ``[n_rows]``: sum of the values of each row (entry count if ``values`` is None)."""

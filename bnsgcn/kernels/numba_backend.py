@@ -14,7 +14,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from torch import Tensor
 
 from .adjacency import Adjacency
@@ -22,6 +25,8 @@ from .adjacency import Adjacency
 # Reassociation etc. let LLVM vectorise the feature loops; no nnan/ninf so NaN/inf propagate.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 _BLOCKS_PER_THREAD = 16
+# Entries ahead whose gathered feature row is prefetched (hides DRAM latency of random rows).
+_PREFETCH_DISTANCE = 8
 
 
 @njit(cache=True, inline="always")
@@ -39,23 +44,52 @@ def _block_start(indptr: np.ndarray, block: int, n_blocks: int) -> int:
     return lo
 
 
+@intrinsic
+def _prefetch(typingctx, array, flat_index):
+    """Hint the CPU to fetch ``array.flat[flat_index]``'s cache line (C-contiguous ``array``)."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn_type = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fn_type, "llvm.prefetch.p0")
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        return context.get_dummy_value()
+
+    return types.void(array, flat_index), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(matrix, row, row_length):
+    """Prefetch every cache line of row ``row`` of a C-contiguous matrix viewed as rows of ``row_length``."""
+    start = row * row_length
+    for k in range(0, row_length, 64 // matrix.itemsize):
+        _prefetch(matrix, start + k)
+
+
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
-    d = x.shape[1]
+    nnz, d = indices.shape[0], x.shape[1]
+    one = x.dtype.type(1)
     for block in prange(n_blocks):
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
             out_row = out[v]
             out_row[:] = 0
             for j in range(indptr[v], indptr[v + 1]):
+                # Gathered rows are random: ask for one PREFETCH_DISTANCE entries ahead.
+                if j + _PREFETCH_DISTANCE < nnz:
+                    _prefetch_row(x, indices[j + _PREFETCH_DISTANCE], d)
                 x_row = x[indices[j]]
-                a = values[j] if weighted else 1
+                a = values[j] if weighted else one
                 for k in range(d):
                     out_row[k] += a * x_row[k]
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, weighted, slope, alpha, out, n_blocks):
-    heads, dim = x.shape[1], x.shape[2]
+    nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
+    one = x.dtype.type(1)
     for block in prange(n_blocks):
         row_max = np.empty(heads, np.float64)
         row_sum = np.empty(heads, np.float64)
@@ -64,6 +98,8 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
             start, end = indptr[v], indptr[v + 1]
             row_max[:] = -np.inf
             for j in range(start, end):
+                if j + _PREFETCH_DISTANCE < nnz:
+                    _prefetch_row(score_src, indices[j + _PREFETCH_DISTANCE], heads)
                 u = indices[j]
                 for h in range(heads):
                     e = score_src[u, h] + score_dst[v, h]
@@ -72,7 +108,7 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
                     row_max[h] = max(row_max[h], e)
             row_sum[:] = 0
             for j in range(start, end):
-                w = col_weight[indices[j]] if weighted else 1
+                w = col_weight[indices[j]] if weighted else one
                 for h in range(heads):
                     p = w * np.exp(alpha[j, h] - row_max[h])
                     alpha[j, h] = p
@@ -80,12 +116,14 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
             for h in range(heads):  # a row whose weights are all 0 gets alpha = 0, not 0/0
                 row_sum[h] = 1 / row_sum[h] if row_sum[h] > 0 else 0
             for j in range(start, end):
-                u = indices[j]
+                if j + _PREFETCH_DISTANCE < nnz:
+                    _prefetch_row(x, indices[j + _PREFETCH_DISTANCE], heads * dim)
+                x_rows = x[indices[j]]
                 for h in range(heads):
-                    a = alpha[j, h] * row_sum[h]
-                    alpha[j, h] = a
+                    alpha[j, h] *= row_sum[h]
+                    a = alpha[j, h]  # in x's dtype: keeps the feature loop single precision
                     out_row = out[v, h]
-                    x_row = x[u, h]
+                    x_row = x_rows[h]
                     for k in range(dim):
                         out_row[k] += a * x_row[k]
 
@@ -93,18 +131,22 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _gat_edge_grad_kernel(indptr, indices, x, score_src, score_dst, alpha, dy, slope, d_score, d_dst, n_blocks):
     """Per row v: SDDMM g = <dy[v], x[u]>, softmax and LeakyReLU backward into ``d_score``."""
-    heads, dim = x.shape[1], x.shape[2]
+    nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
+    zero = x.dtype.type(0)
     for block in prange(n_blocks):
         row_dot = np.empty(heads, np.float64)
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
             start, end = indptr[v], indptr[v + 1]
             row_dot[:] = 0
+            dy_rows = dy[v]
             for j in range(start, end):
-                u = indices[j]
+                if j + _PREFETCH_DISTANCE < nnz:
+                    _prefetch_row(x, indices[j + _PREFETCH_DISTANCE], heads * dim)
+                x_rows = x[indices[j]]
                 for h in range(heads):
-                    dy_row = dy[v, h]
-                    x_row = x[u, h]
-                    g = 0.0
+                    dy_row = dy_rows[h]
+                    x_row = x_rows[h]
+                    g = zero
                     for k in range(dim):
                         g += dy_row[k] * x_row[k]
                     d_score[j, h] = g
@@ -124,24 +166,70 @@ def _gat_edge_grad_kernel(indptr, indices, x, score_src, score_dst, alpha, dy, s
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _gat_column_grad_kernel(t_indptr, t_indices, t_edge, alpha, d_score, dy, need_dx, dx, d_src, n_blocks):
     """Per column u (a row of the transpose): d score_src[u] and dx[u] = sum_v alpha_vu dy[v]."""
-    heads, dim = dy.shape[1], dy.shape[2]
+    nnz, heads, dim = t_indices.shape[0], dy.shape[1], dy.shape[2]
     for block in prange(n_blocks):
         for u in range(_block_start(t_indptr, block, n_blocks), _block_start(t_indptr, block + 1, n_blocks)):
             d_src[u] = 0
             if need_dx:
                 dx[u] = 0
             for t in range(t_indptr[u], t_indptr[u + 1]):
+                if t + _PREFETCH_DISTANCE < nnz:  # per-entry rows are read in transposed, i.e. random, order
+                    _prefetch_row(d_score, t_edge[t + _PREFETCH_DISTANCE], heads)
+                    if need_dx:
+                        _prefetch_row(alpha, t_edge[t + _PREFETCH_DISTANCE], heads)
+                        _prefetch_row(dy, t_indices[t + _PREFETCH_DISTANCE], heads * dim)
                 j = t_edge[t]
                 for h in range(heads):
                     d_src[u, h] += d_score[j, h]
                 if need_dx:
-                    v = t_indices[t]
+                    dy_rows = dy[t_indices[t]]
                     for h in range(heads):
                         a = alpha[j, h]
                         dx_row = dx[u, h]
-                        dy_row = dy[v, h]
+                        dy_row = dy_rows[h]
                         for k in range(dim):
                             dx_row[k] += a * dy_row[k]
+
+
+@njit(parallel=True, cache=True)
+def _count_kept_kernel(indptr, indices, keep, counts, n_blocks):
+    for block in prange(n_blocks):
+        for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
+            count = 0
+            for j in range(indptr[v], indptr[v + 1]):
+                count += keep[indices[j]]
+            counts[v] = count
+
+
+@njit(parallel=True, cache=True)
+def _filter_rows_kernel(indptr, indices, values, weighted, keep, new_column, new_indptr, new_indices, new_values, new_entry, n_blocks):
+    """Copy the kept entries of each row; ``new_entry[j]`` = new id of kept entry ``j``."""
+    for block in prange(n_blocks):
+        for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
+            position = new_indptr[v]
+            for j in range(indptr[v], indptr[v + 1]):
+                column = indices[j]
+                if keep[column]:
+                    new_indices[position] = new_column[column]
+                    if weighted:
+                        new_values[position] = values[j]
+                    new_entry[j] = position
+                    position += 1
+
+
+@njit(parallel=True, cache=True)
+def _filter_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept_columns, new_entry, new_t_indptr, new_t_indices, new_t_edge, new_t_values, n_blocks):
+    """Copy the transposed rows (columns) that are kept, pointing t_edge at the new entry ids."""
+    for block in prange(n_blocks):
+        for c in range(_block_start(new_t_indptr, block, n_blocks), _block_start(new_t_indptr, block + 1, n_blocks)):
+            old = kept_columns[c]
+            position = new_t_indptr[c]
+            for t in range(t_indptr[old], t_indptr[old + 1]):
+                new_t_indices[position] = t_indices[t]
+                new_t_edge[position] = new_entry[t_edge[t]]
+                if weighted:
+                    new_t_values[position] = t_values[t]
+                position += 1
 
 
 def _n_blocks() -> int:
@@ -160,6 +248,46 @@ def _optional(t: Tensor | None, dtype: torch.dtype) -> tuple[np.ndarray, bool]:
     if t is None:
         return np.empty(0, dtype=torch.empty(0, dtype=dtype).numpy().dtype), False
     return _array(t.to(dtype)), True
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    """int64 ``[len(counts) + 1]`` exclusive prefix sums: a CSR pointer from per-row counts."""
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets
+
+
+def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
+    """:meth:`Adjacency.select_columns` in three row-parallel passes: count, copy rows, copy columns."""
+    n_blocks = _n_blocks()
+    keep_array = _array(keep)
+    counts = torch.empty(adj.n_rows, dtype=torch.int64)
+    _count_kept_kernel(_array(adj.indptr), _array(adj.indices), keep_array, counts.numpy(), n_blocks)
+    indptr = _offsets(counts)
+    nnz = int(indptr[-1])
+    kept_columns = torch.nonzero(keep).flatten()
+    t_indptr = _offsets(adj.t_indptr.diff()[kept_columns])
+
+    # Renumbered ids are no larger than the old ones: the index dtypes carry over.
+    indices = torch.empty(nnz, dtype=adj.indices.dtype)
+    t_indices = torch.empty(nnz, dtype=adj.t_indices.dtype)
+    t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
+    new_entry = torch.empty(adj.nnz, dtype=adj.t_edge.dtype)
+    value_dtype = torch.float32 if adj.values is None else adj.values.dtype
+    values = None if adj.values is None else torch.empty(nnz, dtype=value_dtype)
+    t_values = None if adj.values is None else torch.empty(nnz, dtype=value_dtype)
+    old_values, weighted = _optional(adj.values, value_dtype)
+    new_column = torch.cumsum(keep, 0).sub_(1).to(adj.indices.dtype)
+    _filter_rows_kernel(
+        _array(adj.indptr), _array(adj.indices), old_values, weighted, keep_array, _array(new_column),
+        _array(indptr), indices.numpy(), _optional(values, value_dtype)[0], new_entry.numpy(), n_blocks,
+    )  # fmt: skip
+    _filter_columns_kernel(
+        _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _optional(adj.t_values, value_dtype)[0],
+        weighted, _array(kept_columns), new_entry.numpy(), _array(t_indptr), t_indices.numpy(), t_edge.numpy(),
+        _optional(t_values, value_dtype)[0], n_blocks,
+    )  # fmt: skip
+    return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
 
 
 def _spmm_csr(indptr: Tensor, indices: Tensor, values: Tensor | None, x: Tensor, n_rows: int) -> Tensor:

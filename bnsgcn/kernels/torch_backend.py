@@ -38,6 +38,29 @@ def _rows_of_entries(indptr: Tensor) -> Tensor:
     return torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indptr.device), indptr.diff())
 
 
+def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
+    """:meth:`Adjacency.select_columns` with vectorised torch ops."""
+    new_column = torch.cumsum(keep, 0) - 1
+    edge_kept = keep[adj.indices]
+    # kept_before[e] = number of kept entries before forward entry e = its new entry id.
+    kept_before = torch.zeros(adj.nnz + 1, dtype=torch.int64, device=adj.device)
+    torch.cumsum(edge_kept, 0, out=kept_before[1:])
+    indptr = kept_before[adj.indptr]
+    # Renumbered ids are no larger than the old ones: the index dtypes carry over.
+    indices = new_column[adj.indices[edge_kept]].to(adj.indices.dtype)
+    values = None if adj.values is None else adj.values[edge_kept]
+
+    # Transposed rows are whole columns: each segment is kept or dropped.
+    t_kept = edge_kept[adj.t_edge]
+    column_nnz = adj.t_indptr.diff()[keep]
+    t_indptr = torch.zeros(column_nnz.numel() + 1, dtype=torch.int64, device=adj.device)
+    torch.cumsum(column_nnz, 0, out=t_indptr[1:])
+    t_indices = adj.t_indices[t_kept]
+    t_edge = kept_before[adj.t_edge[t_kept].to(torch.int64)].to(adj.t_edge.dtype)
+    t_values = None if adj.t_values is None else adj.t_values[t_kept]
+    return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, column_nnz.numel())
+
+
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     """``A x``: ``x [n_cols, d] -> [n_rows, d]``."""
     a = _csr_tensor(adj.indptr, adj.indices, _values_or_ones(adj.values, adj.nnz, x), (adj.n_rows, adj.n_cols))

@@ -106,6 +106,18 @@ def read_split_masks(num_nodes: int, splits: dict[str, np.ndarray], source: str)
     return masks[0], masks[1], masks[2]
 
 
+def random_split_masks(num_nodes: int, train: float, val: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random train/val/test split: fractions ``train`` and ``val`` of the nodes, the rest test (bool [N] each)."""
+    order = rng.permutation(num_nodes)
+    n_train = max(1, int(round(train * num_nodes)))
+    n_val = int(round(val * num_nodes))
+    masks = np.zeros((3, num_nodes), dtype=bool)
+    masks[0, order[:n_train]] = True
+    masks[1, order[n_train:n_train + n_val]] = True
+    masks[2, order[n_train + n_val:]] = True
+    return masks[0], masks[1], masks[2]
+
+
 def check_features(features: np.ndarray, num_nodes: int, source: str) -> np.ndarray:
     """``features`` as C-contiguous float32 [N, F]; UserError on a wrong shape or NaN/inf."""
     if features.ndim != 2 or features.shape[0] != num_nodes:

@@ -24,7 +24,7 @@ import numpy as np
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph
+from . import Progress, build_graph, random_split_masks
 
 RANDOM_SPLIT = (0.6, 0.2)  # train and val fractions; the rest is test
 RANDOM_SPLIT_SEED = 0
@@ -65,6 +65,14 @@ class NpzArrays:
         self.close()
 
 
+def csr_row_ids(indptr: np.ndarray, num_rows: int, nnz: int, what: str) -> np.ndarray:
+    """Row id of every stored entry of a CSR matrix, int64 [nnz]; checks ``indptr`` [rows+1]."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    if indptr.shape != (num_rows + 1,) or indptr[0] != 0 or indptr[-1] != nnz or np.any(np.diff(indptr) < 0):
+        raise UserError(f"{what} does not fit a CSR matrix of {num_rows} rows and {nnz} entries; the file is damaged, get it again")
+    return np.repeat(np.arange(num_rows, dtype=np.int64), np.diff(indptr))
+
+
 def read_sparse(arrays: NpzArrays, prefix: str = "", default_format: str = "csr") -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
     """A sparse matrix stored under ``<prefix>{format,shape,indptr,indices,row,col,data}``.
 
@@ -81,12 +89,8 @@ def read_sparse(arrays: NpzArrays, prefix: str = "", default_format: str = "csr"
         raise UserError(f"{source}: {prefix}shape must be two non-negative integers, found {shape_array!r}; the file is damaged")
     shape = (int(shape_array[0]), int(shape_array[1]))
     if fmt in ("csr", "csc"):
-        indptr = arrays[prefix + "indptr"].astype(np.int64)
         minor = arrays[prefix + "indices"]
-        major_size = shape[0] if fmt == "csr" else shape[1]
-        if indptr.shape != (major_size + 1,) or indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != minor.shape[0]:
-            raise UserError(f"{source}: {prefix}indptr is inconsistent with the matrix shape {shape}; the file is damaged")
-        major = np.repeat(np.arange(major_size, dtype=np.int64), np.diff(indptr))
+        major = csr_row_ids(arrays[prefix + "indptr"], shape[0] if fmt == "csr" else shape[1], minor.shape[0], f"{source}: {prefix}indptr")
         row, col = (major, minor) if fmt == "csr" else (minor, major)
     elif fmt == "coo":
         row, col = arrays[prefix + "row"], arrays[prefix + "col"]
@@ -105,18 +109,6 @@ def dense_from_sparse(row: np.ndarray, col: np.ndarray, data: np.ndarray, shape:
     dense = np.zeros(shape, dtype=np.float32)
     np.add.at(dense, (row, col), data.astype(np.float32))
     return dense
-
-
-def random_split_masks(num_nodes: int, seed: int = RANDOM_SPLIT_SEED) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A seeded random 60/20/20 train/val/test split of ``num_nodes`` nodes (bool masks [N])."""
-    order = np.random.default_rng(seed).permutation(num_nodes)
-    n_train = int(round(RANDOM_SPLIT[0] * num_nodes))
-    n_val = int(round(RANDOM_SPLIT[1] * num_nodes))
-    masks = np.zeros((3, num_nodes), dtype=bool)
-    masks[0, order[:n_train]] = True
-    masks[1, order[n_train:n_train + n_val]] = True
-    masks[2, order[n_train + n_val:]] = True
-    return masks[0], masks[1], masks[2]
 
 
 def _resolve(path: Path, data_dir: Path | None) -> Path:
@@ -145,7 +137,10 @@ def load_npz(path: Path, data_dir: Path | None, progress: Progress) -> Graph:
         present = [key for key in ("train_mask", "val_mask", "test_mask") if key in arrays]
         if present and len(present) != 3:
             raise UserError(f"{path} has {', '.join(present)} but not all of train_mask, val_mask, test_mask; store all three or none")
-        masks = tuple(arrays[key] for key in present) if present else random_split_masks(labels.shape[0])
+        if present:
+            masks = (arrays["train_mask"], arrays["val_mask"], arrays["test_mask"])
+        else:
+            masks = random_split_masks(labels.shape[0], *RANDOM_SPLIT, np.random.default_rng(RANDOM_SPLIT_SEED))
     num_nodes = features.shape[0]
     if adj_shape != (num_nodes, num_nodes):
         raise UserError(f"{path}: adjacency shape {adj_shape} does not match {num_nodes} feature rows; the arrays belong to different graphs")

@@ -31,7 +31,7 @@ from bnsgcn.errors import UserError
 from partition.graph import Graph
 
 from . import Progress, build_graph, find_dataset_dir
-from .npz import dense_from_sparse
+from .npz import csr_row_ids, dense_from_sparse
 
 PYG_NAMES = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
 PICKLED_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph")
@@ -53,15 +53,15 @@ class PickledCSR:
         shape = state.get("_shape", state.get("shape")) if isinstance(state, dict) else None
         if shape is None or any(key not in state for key in ("indptr", "indices", "data")):
             raise UserError(f"{source} holds an incomplete sparse matrix; download the file again")
-        indptr = np.asarray(state["indptr"], dtype=np.int64)
-        indices = np.asarray(state["indices"], dtype=np.int64)
-        data = np.asarray(state["data"])
-        rows, cols = int(shape[0]), int(shape[1])
-        if indptr.shape != (rows + 1,) or indptr[-1] != indices.size or indices.shape != data.shape or np.any(np.diff(indptr) < 0):
-            raise UserError(f"{source} holds an inconsistent sparse matrix; download the file again")
-        if indices.size and (indices.min() < 0 or indices.max() >= cols):
-            raise UserError(f"{source} holds a sparse matrix with column ids outside its shape; download the file again")
-        row = np.repeat(np.arange(rows, dtype=np.int64), np.diff(indptr))
+        try:
+            indices = np.asarray(state["indices"], dtype=np.int64)
+            data = np.asarray(state["data"], dtype=np.float32)
+            rows, cols = int(shape[0]), int(shape[1])
+        except (TypeError, ValueError, IndexError):
+            raise UserError(f"{source} holds a sparse matrix with non-numeric parts; download the file again") from None
+        if indices.ndim != 1 or indices.shape != data.shape or (indices.size and (indices.min() < 0 or indices.max() >= cols)):
+            raise UserError(f"{source} holds a sparse matrix whose column ids do not fit its shape; download the file again")
+        row = csr_row_ids(state["indptr"], rows, indices.size, f"{source}: the sparse matrix")
         return dense_from_sparse(row, indices, data, (rows, cols))
 
 
@@ -139,12 +139,15 @@ def load_planetoid(name: str, data_dir: Path | None, progress: Progress) -> Grap
     with progress.step(f"reading {root}/ind.{name}.*"):
         for part in PICKLED_PARTS:
             path = root / f"ind.{name}.{part}"
-            with open(path, "rb") as handle:
-                parts[part] = restricted_unpickle(handle, str(path))
+            try:
+                with open(path, "rb") as handle:
+                    parts[part] = restricted_unpickle(handle, str(path))
+            except OSError as exc:
+                raise UserError(f"{path} cannot be opened ({exc}); check its permissions") from None
         index_path = root / f"ind.{name}.test.index"
         try:
             test_index = np.loadtxt(index_path, dtype=np.int64, ndmin=1)
-        except ValueError as exc:
+        except (OSError, ValueError) as exc:
             raise UserError(f"{index_path} must hold one node id per line ({exc}); download the file again") from None
     paths = {part: root / f"ind.{name}.{part}" for part in PICKLED_PARTS}
     allx, tx = _dense(parts["allx"], paths["allx"]), _dense(parts["tx"], paths["tx"])
@@ -160,6 +163,9 @@ def load_planetoid(name: str, data_dir: Path | None, progress: Progress) -> Grap
     num_nodes = max(num_known + tx.shape[0], int(test_index.max()) + 1)
     features = np.zeros((num_nodes, allx.shape[1]), dtype=np.float32)
     features[:num_known], features[test_index] = allx, tx
+    # Row-normalised, as Kipf & Welling's preprocessing and PyG's NormalizeFeatures do.
+    row_sums = features.sum(axis=1, keepdims=True)
+    np.divide(features, row_sums, out=features, where=row_sums > 0)
     one_hot = np.zeros((num_nodes, num_classes), dtype=np.float32)
     one_hot[:num_known], one_hot[test_index] = ally, ty
     labels = one_hot.argmax(axis=1)

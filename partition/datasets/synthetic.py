@@ -34,7 +34,7 @@ import numpy as np
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph
+from . import Progress, build_graph, random_split_masks
 
 CHUNK = 1 << 22  # edges or feature rows generated per step
 MAX_OVERDRAW = 4.0  # at most this many draws per wanted edge (else the graph is too dense)
@@ -180,12 +180,6 @@ def generate_synthetic(config: SyntheticConfig, progress: Progress) -> Graph:
             block *= np.float32(config.noise)
             block += centroids[labels[start:start + rows]]
 
-    order = rng_split.permutation(num_nodes)
-    n_train = max(1, int(round(config.train * num_nodes)))
-    n_val = int(round(config.val * num_nodes))
-    masks = np.zeros((3, num_nodes), dtype=bool)
-    masks[0, order[:n_train]] = True
-    masks[1, order[n_train:n_train + n_val]] = True
-    masks[2, order[n_train + n_val:]] = True
+    masks = random_split_masks(num_nodes, config.train, config.val, rng_split)
     name = "synthetic" if config == DEFAULTS else config.spec()
-    return build_graph(name, src, dst, features, labels, (masks[0], masks[1], masks[2]), config.classes, name, progress, symmetrized=False)
+    return build_graph(name, src, dst, features, labels, masks, config.classes, name, progress, symmetrized=False)

@@ -1,0 +1,281 @@
+"""The memory-balance report: per-rank figures, their spread, figures, and runs side by side.
+
+``report.json`` holds, per rank, the static figures of :func:`bnsgcn.accounting.static_figures`,
+the per-epoch means of :data:`bnsgcn.accounting.COLUMNS` and what follows from them (bytes
+sent and received, the time split); ``summary`` gives, for each figure of :data:`BALANCE`,
+max / mean / min, the imbalance ratio (max / mean) and the straggler (the rank holding the
+max). Where matplotlib is installed, :func:`write_figures` draws per-rank memory bars,
+boundary/inner ratios and the time split as PNGs next to ``report.json``.
+
+``bnsgcn-report RUN_DIR [RUN_DIR ...] [--figures]`` re-renders saved runs and compares them
+with the first, in percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+REPORT_NAME = "report.json"
+PLOTS_HINT = "figures need matplotlib: pip install bnsgcn[plots]"
+MiB = 2**20
+# figure -> (label, unit) in the table, in this order; a figure no rank reports is left out
+BALANCE = {
+    "peak_memory_bytes": ("peak memory", "MiB"),
+    "memory_above_baseline_bytes": ("peak above process baseline", "MiB"),
+    "partition_bytes": ("partition tensors", "MiB"),
+    "saved_activation_bytes": ("saved activations", "MiB"),
+    "inner_nodes": ("inner nodes", ""),
+    "boundary_nodes": ("boundary nodes", ""),
+    "boundary_inner_ratio": ("boundary/inner", ""),
+    "sampled_boundary": ("sampled boundary/epoch", ""),
+    "bytes_sent": ("sent/epoch", "MiB"),
+    "bytes_received": ("received/epoch", "MiB"),
+    "epoch_time": ("epoch time", "s"),
+    "time_sampling": ("sampling time", "s"),
+    "time_exchange": ("exchange time", "s"),
+    "time_idle": ("idle time", "s"),
+}
+# Where an epoch's time goes, in stacking order. Exchange times are measured inside the
+# forward and backward passes, so compute = pass - exchange; "other" is what epoch_time
+# holds beyond the measured parts (loss, optimizer step); idle is waited after the epoch.
+TIME_SPLIT = ("sampling", "compute_forward", "exchange_forward", "compute_backward", "exchange_backward", "reduction", "evaluation", "other", "idle")
+
+
+def time_split(means: dict[str, float]) -> dict[str, float]:
+    """Seconds per epoch of each part of :data:`TIME_SPLIT` from a rank's per-epoch means."""
+    measured = sum(means[f"time_{t}"] for t in ("sampling", "forward", "backward", "reduction", "evaluation"))
+    return {
+        "sampling": means["time_sampling"],
+        "compute_forward": max(means["time_forward"] - means["time_exchange_forward"], 0.0),
+        "exchange_forward": means["time_exchange_forward"],
+        "compute_backward": max(means["time_backward"] - means["time_exchange_backward"], 0.0),
+        "exchange_backward": means["time_exchange_backward"],
+        "reduction": means["time_reduction"],
+        "evaluation": means["time_evaluation"],
+        "other": max(means["epoch_time"] - measured, 0.0),
+        "idle": means["time_idle"],
+    }
+
+
+def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...], info: dict) -> dict:
+    """The report of a job.
+
+    ``static``: one dict per rank (:func:`bnsgcn.accounting.static_figures`; a
+    ``baseline_rss_bytes``, the resident memory before the shard is loaded, adds the peak
+    above it); ``per_epoch``: float64 [world, len(columns)], each rank's per-epoch means.
+    """
+    ranks = []
+    for figures, row in zip(static, per_epoch.tolist()):
+        means = dict(zip(columns, row))
+        rank = dict(figures)
+        rank["peak_memory_bytes"] = figures.get("peak_cuda_allocated_bytes", figures["peak_rss_bytes"])
+        if "baseline_rss_bytes" in figures:
+            rank["memory_above_baseline_bytes"] = figures["peak_rss_bytes"] - figures["baseline_rss_bytes"]
+        rank["boundary_inner_ratio"] = figures["boundary_nodes"] / max(figures["inner_nodes"], 1)
+        rank["per_epoch"] = means
+        rank["time_split"] = time_split(means)
+        rank["sampled_boundary"] = means["sampled_boundary"]
+        rank["bytes_sent"] = sum(v for k, v in means.items() if k.startswith("sent_"))
+        rank["bytes_received"] = sum(v for k, v in means.items() if k.startswith("received_"))
+        rank["epoch_time"] = means["epoch_time"]
+        rank["time_sampling"] = means["time_sampling"]
+        rank["time_exchange"] = means["time_exchange_forward"] + means["time_exchange_backward"]
+        rank["time_idle"] = means["time_idle"]
+        rank["saved_activation_bytes"] = means["saved_activation_bytes"]
+        ranks.append(rank)
+    summary = {key: spread([r[key] for r in ranks]) for key in BALANCE if all(key in r for r in ranks)}
+    return {"info": info, "ranks": ranks, "summary": summary}
+
+
+def spread(values: list[float]) -> dict:
+    """max / mean / min, imbalance (max / mean) and the straggler's rank."""
+    mean = sum(values) / len(values)
+    top = max(range(len(values)), key=values.__getitem__)
+    return {"max": values[top], "mean": mean, "min": min(values), "imbalance": values[top] / mean if mean else 1.0, "straggler": top}
+
+
+def write(run_dir: Path, report: dict, figures: bool = True) -> Path:
+    """Write ``report.json`` atomically, print the table and (``figures``) draw the PNGs."""
+    path = Path(run_dir) / REPORT_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(render_table(report), file=sys.stderr)
+    if figures:
+        write_figures(report, Path(run_dir))
+    return path
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "MiB":
+        return f"{value / MiB:.1f}"
+    if unit == "s":
+        return f"{value:.3f}"
+    return f"{value:.2f}" if isinstance(value, float) and not float(value).is_integer() else f"{int(value)}"
+
+
+def _label(key: str) -> str:
+    label, unit = BALANCE[key]
+    return label + (f" ({unit})" if unit else "")
+
+
+def _layout(rows: list[list[str]]) -> str:
+    """Align a table (first row the header): first column left, the others right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_table(report: dict) -> str:
+    """Per rank, then max / mean / min / imbalance / straggler, one row per figure."""
+    ranks = report["ranks"]
+    rows = [["figure"] + [f"rank {r['rank']}" for r in ranks] + ["max", "mean", "min", "max/mean", "straggler"]]
+    for key in (k for k in BALANCE if k in report["summary"]):
+        s, unit = report["summary"][key], BALANCE[key][1]
+        rows.append(
+            [_label(key)]
+            + [_fmt(r[key], unit) for r in ranks]
+            + [_fmt(s["max"], unit), _fmt(s["mean"], unit), _fmt(s["min"], unit), f"{s['imbalance']:.2f}", f"rank {s['straggler']}"]
+        )
+    return _layout(rows)
+
+
+def compare(reports: list[tuple[str, dict]]) -> str:
+    """Each run's setting and, per figure, its max over ranks with the change against the first run.
+
+    A negative change is a saving: ``(-42%)`` means 42% less than the first run.
+    """
+    rows = [["figure (max over ranks)"] + [name for name, _ in reports]]
+    settings = [(label, lambda info, k=k: info.get("config", {}).get(k, "?")) for label, k in (("model", "model"), ("p", "p"))]
+    settings.append(("ranks", lambda info: info.get("world_size", "?")))
+    for label, get in settings:
+        rows.append([label] + [str(get(rep["info"])) for _, rep in reports])
+    base = reports[0][1]["summary"]
+    for key in BALANCE:
+        if not all(key in rep["summary"] for _, rep in reports):
+            continue
+        unit, first = BALANCE[key][1], base[key]["max"]
+        cells = [_label(key)]
+        for i, (_, rep) in enumerate(reports):
+            value = rep["summary"][key]["max"]
+            change = f" ({round((value - first) / first * 100):+d}%)" if i and first else ""
+            cells.append(_fmt(value, unit) + change)
+        rows.append(cells)
+    return _layout(rows)
+
+
+@functools.cache
+def _hint_plots() -> None:
+    """Say once per process that figures need matplotlib."""
+    print(f"note: {PLOTS_HINT}", file=sys.stderr)
+
+
+def write_figures(report: dict, out_dir: Path) -> list[Path]:
+    """Draw ``memory.png``, ``boundary.png`` and ``time.png`` into ``out_dir``; return their paths.
+
+    Without matplotlib nothing is drawn (and a note says how to install it).
+    """
+    try:
+        from matplotlib.figure import Figure  # optional extra: bnsgcn[plots]
+    except ImportError:
+        _hint_plots()
+        return []
+    ranks = report["ranks"]
+    names = [f"rank {r['rank']}" for r in ranks]
+    positions = list(range(len(ranks)))
+
+    def grouped_bars(ax, series: dict[str, list[float]], ylabel: str) -> None:
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series.items()):
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in positions], values, width, label=label)
+        ax.set_xticks(positions, names)
+        ax.set_ylabel(ylabel)
+        ax.margins(y=0.3)  # room for the legend above the bars
+        ax.legend(fontsize="small", loc="upper right")
+
+    def memory(fig) -> None:
+        keys = [k for k in ("peak_memory_bytes", "memory_above_baseline_bytes", "partition_bytes", "saved_activation_bytes") if k in report["summary"]]
+        ax = fig.subplots()
+        grouped_bars(ax, {BALANCE[k][0]: [r[k] / MiB for r in ranks] for k in keys}, "MiB")
+        peak = report["summary"]["peak_memory_bytes"]
+        ax.set_title(f"memory per rank (peak imbalance {peak['imbalance']:.2f}, straggler rank {peak['straggler']})")
+
+    def boundary(fig) -> None:
+        counts, ratios = fig.subplots(1, 2)
+        grouped_bars(counts, {BALANCE[k][0]: [r[k] for r in ranks] for k in ("inner_nodes", "boundary_nodes", "sampled_boundary")}, "nodes")
+        counts.set_title("nodes per rank")
+        grouped_bars(ratios, {"boundary/inner": [r["boundary_inner_ratio"] for r in ranks], "sampled/inner": [r["sampled_boundary"] / max(r["inner_nodes"], 1) for r in ranks]}, "ratio")
+        ratios.set_title("boundary/inner per rank")
+
+    def time(fig) -> None:
+        ax = fig.subplots()
+        bottom = [0.0] * len(ranks)
+        for part in TIME_SPLIT:
+            values = [time_split(r["per_epoch"])[part] for r in ranks]
+            ax.bar(positions, values, 0.6, bottom=bottom, label=part.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xticks(positions, names)
+        ax.set_ylabel("seconds per epoch")
+        ax.set_title("time split per rank")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    drawings: dict[str, tuple[Callable, tuple[float, float]]] = {"memory.png": (memory, (7, 4)), "boundary.png": (boundary, (11, 4)), "time.png": (time, (8, 4.5))}
+    paths = []
+    for name, (draw, size) in drawings.items():
+        fig = Figure(figsize=size, layout="constrained")
+        draw(fig)
+        path = Path(out_dir) / name
+        tmp = path.with_suffix(".png.tmp")
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def load(run_dir: Path) -> dict:
+    """The report of a saved run, or :class:`UserError` naming what is wrong with ``run_dir``."""
+    path = Path(run_dir) / REPORT_NAME
+    if not path.is_file():
+        raise UserError(f"{path} not found: {run_dir} is not a finished bnsgcn run; pass a run directory written by bnsgcn-train")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); re-run the training") from None
+    if not isinstance(report, dict) or not {"info", "ranks", "summary"} <= report.keys():
+        raise UserError(f"{path} is not a bnsgcn report (no info/ranks/summary); pass a run directory written by bnsgcn-train")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bnsgcn-report RUN_DIR [RUN_DIR ...]``: re-render one run, or compare several with the first."""
+    parser = argparse.ArgumentParser(prog="bnsgcn-report", description=main.__doc__)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories written by bnsgcn-train")
+    parser.add_argument("--figures", action="store_true", help="also draw memory.png, boundary.png and time.png into each run directory (needs matplotlib)")
+    args = parser.parse_args(argv)
+    try:
+        reports = [(str(r), load(r)) for r in args.runs]
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render_table(reports[0][1]) if len(reports) == 1 else compare(reports))
+    if args.figures:
+        for run, (_, report) in zip(args.runs, reports):
+            try:
+                paths = write_figures(report, run)
+            except OSError as exc:
+                print(f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run elsewhere", file=sys.stderr)
+                return 2
+            for path in paths:
+                print(f"wrote {path}")
+    return 0

@@ -1,0 +1,212 @@
+"""The memory-balance report: numbers computable by hand, a real 2-rank run, the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bnsgcn import report
+from bnsgcn.accounting import COLUMNS
+from bnsgcn.config import TrainConfig
+from bnsgcn.format import load_partition
+
+from .distributed import partition, random_graph, run_ranks
+
+MiB = 2**20
+FLOAT = 4  # bytes per float32 value
+
+
+def _static(rank: int, inner: int, boundary: int, peak_mib: float, baseline_mib: float) -> dict:
+    return {
+        "rank": rank, "host": "h", "device": "cpu", "inner_nodes": inner, "boundary_nodes": boundary, "edges": 10 * inner,
+        "partition_bytes": inner * 1000, "peak_rss_bytes": int(peak_mib * MiB), "baseline_rss_bytes": int(baseline_mib * MiB),
+    }
+
+
+def _per_epoch(rows: list[dict]) -> torch.Tensor:
+    table = torch.zeros(len(rows), len(COLUMNS), dtype=torch.float64)
+    for r, values in enumerate(rows):
+        for name, value in values.items():
+            table[r, COLUMNS.index(name)] = value
+    return table
+
+
+def _hand_report(p: float = 1.0, scale: float = 1.0) -> dict:
+    """Three ranks; rank 0 holds the most boundary nodes, memory and time."""
+    static = [_static(0, 100, 150, 3 * scale, 0.5), _static(1, 200, 100, 1 * scale, 0.5), _static(2, 300, 30, 2 * scale, 0.5)]
+    rows = [
+        {"sampled_boundary": 150 * p, "epoch_time": 2.0, "time_sampling": 0.1, "time_forward": 0.8, "time_exchange_forward": 0.3,
+         "time_backward": 0.6, "time_exchange_backward": 0.2, "time_reduction": 0.1, "time_evaluation": 0.2, "time_idle": 0.05,
+         "sent_features": 4000 * p, "sent_gradients": 2000 * p, "sent_reduction": 100, "received_features": 6000 * p, "saved_activation_bytes": 5 * MiB},
+        {"sampled_boundary": 100 * p, "epoch_time": 1.5, "time_sampling": 0.1, "time_forward": 0.5, "time_backward": 0.5, "time_idle": 0.5,
+         "sent_features": 1000 * p, "received_features": 4000 * p, "saved_activation_bytes": 3 * MiB},
+        {"sampled_boundary": 30 * p, "epoch_time": 1.0, "time_forward": 0.4, "time_backward": 0.4, "time_idle": 1.0,
+         "sent_selections": 30, "received_features": 1200 * p, "saved_activation_bytes": 1 * MiB},
+    ]
+    info = {"config": {"model": "graphsage", "p": p}, "world_size": 3, "epochs": 4}
+    return report.build(static, _per_epoch(rows), COLUMNS, info)
+
+
+def test_build_computes_spread_straggler_ratios_and_time_split():
+    rep = _hand_report()
+    ranks, summary = rep["ranks"], rep["summary"]
+    assert [r["boundary_inner_ratio"] for r in ranks] == pytest.approx([1.5, 0.5, 0.1])
+    ratio = summary["boundary_inner_ratio"]
+    assert ratio["max"] == pytest.approx(1.5) and ratio["min"] == pytest.approx(0.1)
+    assert ratio["mean"] == pytest.approx(0.7) and ratio["imbalance"] == pytest.approx(1.5 / 0.7)
+    assert ratio["straggler"] == 0
+    peak = summary["peak_memory_bytes"]
+    assert (peak["max"], peak["mean"], peak["imbalance"], peak["straggler"]) == (3 * MiB, 2 * MiB, 1.5, 0)
+    above = summary["memory_above_baseline_bytes"]
+    assert (above["max"], above["min"], above["straggler"]) == (2.5 * MiB, 0.5 * MiB, 0)
+    assert [r["bytes_sent"] for r in ranks] == [6100, 1000, 30]
+    assert [r["bytes_received"] for r in ranks] == [6000, 4000, 1200]
+    inner = summary["inner_nodes"]
+    assert (inner["max"], inner["imbalance"], inner["straggler"]) == (300, 1.5, 2)
+    # the slowest rank is the one that waits least
+    assert summary["epoch_time"]["straggler"] == 0 and summary["time_idle"]["straggler"] == 2
+    split = ranks[0]["time_split"]
+    assert split["compute_forward"] == pytest.approx(0.5) and split["compute_backward"] == pytest.approx(0.4)
+    assert split["other"] == pytest.approx(2.0 - (0.1 + 0.8 + 0.6 + 0.1 + 0.2))
+    for rank in ranks:  # the parts add up to the epoch plus the wait after it
+        assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
+    assert set(summary) == set(report.BALANCE)
+
+
+def test_table_shows_every_rank_and_the_straggler():
+    table = report.render_table(_hand_report())
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["figure", "rank", "0", "rank"]
+    row = next(line for line in lines if line.startswith("boundary/inner"))
+    assert row.split()[1:] == ["1.50", "0.50", "0.10", "1.50", "0.70", "0.10", "2.14", "rank", "0"]
+    row = next(line for line in lines if line.startswith("peak memory (MiB)"))
+    assert row.split()[3:6] == ["3.0", "1.0", "2.0"]
+
+
+def test_compare_gives_changes_in_percent():
+    text = report.compare([("full", _hand_report(1.0, scale=1.0)), ("sampled", _hand_report(0.1, scale=0.5))])
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[2:])}
+    assert rows["p"] == ["1.0", "0.1"]
+    assert rows["peak memory (MiB)"] == ["3.0", "1.5 (-50%)"]
+    assert rows["peak above process baseline (MiB)"] == ["2.5", "1.0 (-60%)"]
+    assert rows["received/epoch (MiB)"][1].endswith("(-90%)")  # 6000 -> 600 bytes
+    assert rows["boundary/inner"] == ["1.50", "1.50 (+0%)"]
+
+
+def test_figures_are_pngs_or_a_hint(tmp_path, capsys):
+    rep = _hand_report()
+    if importlib.util.find_spec("matplotlib") is None:
+        assert report.write_figures(rep, tmp_path) == []
+        assert report.PLOTS_HINT in capsys.readouterr().err
+        return
+    paths = report.write_figures(rep, tmp_path)
+    assert sorted(p.name for p in paths) == ["boundary.png", "memory.png", "time.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_without_matplotlib_the_hint_comes_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    report._hint_plots.cache_clear()
+    try:
+        assert report.write_figures(_hand_report(), tmp_path) == []
+        assert report.write_figures(_hand_report(), tmp_path) == []
+        assert capsys.readouterr().err.count("pip install bnsgcn[plots]") == 1
+        assert not list(tmp_path.iterdir())
+    finally:
+        report._hint_plots.cache_clear()
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"ranks": []}'])
+def test_cli_bad_run_dir_is_one_line_exit_2(tmp_path, capsys, content):
+    run = tmp_path / "run"
+    run.mkdir()
+    if content is not None:
+        (run / report.REPORT_NAME).write_text(content)
+    assert report.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(run) in err
+
+
+def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp_path, capsys):
+    features, hidden, classes, epochs = 8, 16, 3, 2
+    graph = random_graph(num_nodes=80, avg_degree=4, features=features, classes=classes, seed=5)
+    parts = partition(graph, 2, tmp_path / "parts", method="random")
+
+    def config(p: float) -> TrainConfig:
+        return TrainConfig(parts_dir=parts, p=p, model="graphsage", layers=2, hidden=hidden, dropout=0.0, epochs=epochs,
+                           eval_every=0, precompute=False, device="cpu", out=tmp_path / f"p{p}", seed=1)
+
+    run_ranks(2, [config(1.0), config(0.5)])
+    # Layer 1 (F=8 -> H=16) aggregates first and sends F columns; layer 2 (H=16 -> C=3)
+    # multiplies first and sends C columns. Only layer 2's rows need a gradient (the input
+    # features do not), C columns back. Evaluation (last epoch only) moves all rows once.
+    width_forward, width_backward = features + classes, classes
+    arrays = [load_partition(parts, r) for r in range(2)]
+    boundary = [len(a["boundary_nodes"]) for a in arrays]
+    requested = [len(a["send_nodes"]) for a in arrays]  # rows other ranks may ask of me
+    assert sum(boundary) == sum(requested) > 0
+
+    full = report.load(tmp_path / "p1.0")
+    assert set(full["summary"]) >= set(report.BALANCE) - {"memory_above_baseline_bytes"}
+    assert full["info"]["world_size"] == 2 and full["info"]["epochs"] == epochs
+    for r, rank in enumerate(full["ranks"]):
+        e = rank["per_epoch"]
+        assert rank["rank"] == r and rank["inner_nodes"] == len(arrays[r]["inner_nodes"]) and rank["boundary_nodes"] == boundary[r]
+        assert rank["boundary_inner_ratio"] == pytest.approx(boundary[r] / rank["inner_nodes"])
+        assert e["sampled_boundary"] == boundary[r]
+        assert e["received_features"] == boundary[r] * width_forward * FLOAT
+        assert e["sent_features"] == requested[r] * width_forward * FLOAT
+        assert e["sent_gradients"] == boundary[r] * width_backward * FLOAT
+        assert e["received_gradients"] == requested[r] * width_backward * FLOAT
+        assert e["sent_selections"] == 0  # at p = 1 everybody knows the plan
+        assert e["sent_evaluation"] == requested[r] * width_forward * FLOAT / epochs
+        assert rank["peak_memory_bytes"] > rank["partition_bytes"] > 0 and e["saved_activation_bytes"] > 0
+        assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
+    total_features = sum(r["per_epoch"]["sent_features"] for r in full["ranks"])
+    assert total_features == sum(boundary) * width_forward * FLOAT
+
+    sampled = report.load(tmp_path / "p0.5")
+    for r, rank in enumerate(sampled["ranks"]):
+        e = rank["per_epoch"]
+        assert 0 < e["sampled_boundary"] < boundary[r]
+        assert e["received_features"] == pytest.approx(e["sampled_boundary"] * width_forward * FLOAT)
+        assert e["sent_gradients"] == pytest.approx(e["sampled_boundary"] * width_backward * FLOAT)
+        assert e["sent_selections"] == boundary[r]  # one byte per boundary node to its owner
+        assert e["received_selections"] == requested[r]
+
+    table = report.render_table(full)
+    assert "rank 1" in table and "straggler" in table and f"{boundary[0]}" in table
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "p1.0"), str(tmp_path / "p0.5"), "--figures"]) == 0
+    out = capsys.readouterr().out
+    received = next(line for line in out.splitlines() if line.startswith("received/epoch"))
+    assert received.count("%") == 1 and "(-" in received
+    assert str(tmp_path / "p0.5") in out.splitlines()[0]
+    drawn = (tmp_path / "p0.5" / "time.png").is_file() and (tmp_path / "p1.0" / "memory.png").is_file()
+    assert drawn == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_benchmark_suite_plans_every_run(capsys):
+    from benchmarks import suite
+
+    plan = suite.plan(suite.PRESETS["quick"])
+    trains = [step for step in plan if step.kind == "train"]
+    ps = {step.p for step in trains}
+    assert {1.0, 0.1, 0.01, 0.0} <= ps
+    assert {step.ranks for step in trains} >= {1, 2, 4}
+    assert {step.model for step in trains} == {"graphsage", "gat"}
+    assert any(step.kind == "pyg" for step in plan) and any(step.kind == "bound" for step in plan)
+    assert suite.main(["--preset", "quick", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "bnsgcn-train" in printed and "bnsgcn-partition" in printed
+    full = suite.plan(suite.PRESETS["full"])
+    assert any("nodes=200000" in step.spec for step in full)
+    assert np.unique([step.name for step in full]).size == len(full)

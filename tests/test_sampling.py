@@ -1,0 +1,101 @@
+"""Boundary sampling: unbiased aggregation, exchanged volume, p = 0, reproducibility."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from bnsgcn.config import TrainConfig
+from bnsgcn.exchange import full_plan
+from bnsgcn.graph import ShardGraph
+from bnsgcn.kernels import spmm
+from bnsgcn.sampler import sample_boundary
+from bnsgcn.shard import load_shard
+
+from .distributed import partition, random_graph, run_ranks
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sampled_mean_aggregation_is_unbiased(tmp_path):
+    graph = random_graph(num_nodes=120, avg_degree=8, seed=5)
+    parts = partition(graph, 3, tmp_path / "parts")
+    shard = load_shard(parts, 1, 3)
+    topo = shard.topology
+    sg = ShardGraph(topo, "graphsage", torch.device("cpu"))
+    boundary_ids = np.load(parts / "part-1" / "boundary_nodes.npy")
+    x_inner = shard.features
+    x_boundary = torch.from_numpy(graph.features[boundary_ids])
+    plan = full_plan(topo, torch.device("cpu"))
+    exact = spmm(sg.inner, x_inner) + spmm(sg.boundary, x_boundary)
+
+    p, draws = 0.3, 1500
+    total = torch.zeros_like(exact)
+    kept = 0
+    for epoch in range(draws):
+        keep = sample_boundary(topo.n_boundary, p, seed=0, rank=1, epoch=epoch)
+        g = sg.epoch(keep, p, plan, exchange=None)
+        total += spmm(g.inner, x_inner) + spmm(g.boundary, x_boundary[keep])
+        kept += int(keep.sum())
+    mean = total / draws
+    assert kept / (draws * topo.n_boundary) == pytest.approx(p, abs=0.01)
+    # the sampling error of a mean over 4000 draws is a few percent of the boundary part
+    boundary_part = (exact - spmm(sg.inner, x_inner)).abs().mean()
+    assert (mean - exact).abs().mean() < 0.05 * boundary_part
+    # and a biased estimate (no 1/p scaling) would be far off: the check can fail
+    g = sg.epoch(keep, 1.0, plan, exchange=None)
+    unscaled = spmm(g.inner, x_inner) + spmm(g.boundary, x_boundary[keep])
+    assert (unscaled - exact).abs().mean() > 0.3 * boundary_part
+
+
+def _config(parts, out, **kw) -> TrainConfig:
+    base = dict(parts_dir=parts, model="graphsage", layers=2, hidden=8, dropout=0.5, epochs=6, eval_every=3, device="cpu", out=out, seed=11, precompute=False)
+    return TrainConfig(**(base | kw))
+
+
+def test_exchanged_rows_p0_and_reproducibility(tmp_path):
+    graph = random_graph(num_nodes=200, avg_degree=6, seed=2)
+    parts = partition(graph, 2, tmp_path / "parts")
+    boundary_total = sum(len(np.load(parts / f"part-{r}" / "boundary_nodes.npy")) for r in range(2))
+    configs = [
+        _config(parts, tmp_path / "p03-a", p=0.3, epochs=20, eval_every=0),
+        _config(parts, tmp_path / "p03-b", p=0.3, epochs=20, eval_every=0),
+        _config(parts, tmp_path / "p03-c", p=0.3, epochs=20, eval_every=0, seed=12),
+        _config(parts, tmp_path / "p0", p=0.0),
+        _config(parts, tmp_path / "p1", p=1.0),
+    ]
+    results = run_ranks(2, configs)
+    a, b, c, zero, one = (_metrics(cfg.out) for cfg in configs)
+
+    # about p of the boundary rows move each epoch, and exactly those rows' bytes
+    sampled = [r["sampled_boundary"] for r in a if "epoch" in r]
+    assert np.mean(sampled) == pytest.approx(0.3 * boundary_total, rel=0.1)
+    assert all(r["sampled_boundary"] == boundary_total for r in one if "epoch" in r)
+    # layer 1 (8 -> 8) aggregates first: 8 floats a row; layer 2 (8 -> 3) multiplies first: 3
+    row_bytes = (8 + 3) * 4
+    for rec in a:
+        if "epoch" in rec:
+            assert rec["bytes_sent_by_kind"]["features"] == rec["sampled_boundary"] * row_bytes
+            # the features need no gradient, so only layer 2's rows send one back
+            assert rec["bytes_sent_by_kind"]["gradients"] == rec["sampled_boundary"] * 3 * 4
+
+    # p = 0: no boundary traffic at all
+    for rec in zero:
+        if "epoch" in rec:
+            assert rec["sampled_boundary"] == 0
+            for kind in ("features", "gradients", "selections"):
+                assert rec["bytes_sent_by_kind"][kind] == 0
+
+    # same seed, same run; another seed, another run
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert sampled == [r["sampled_boundary"] for r in b if "epoch" in r]
+    assert [r.get("loss") for r in a] != [r.get("loss") for r in c]
+    for rank in range(2):
+        for name, value in results[rank][0]["params"].items():
+            np.testing.assert_array_equal(value, results[rank][1]["params"][name])
