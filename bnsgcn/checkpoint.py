@@ -24,11 +24,15 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def save(run_dir: Path, epoch: int, state: dict, keep: int) -> Path:
     """Write ``checkpoint-<epoch>.pt`` via a temporary file and keep the newest ``keep``."""
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"checkpoint-{epoch:06d}.pt"
     tmp = path.with_suffix(".pt.tmp")
-    torch.save({"epoch": epoch, **state}, tmp)
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"epoch": epoch, **state}, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write checkpoint {path} ({exc.strerror}); free space or pass a writable --out") from None
     for old in _list(folder)[:-keep]:
         old.unlink(missing_ok=True)
     return path

@@ -26,10 +26,22 @@ def setup_logging(rank: int, log_file: Path | None = None) -> logging.Logger:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``metrics.jsonl`` (and a copy to ``--log-json``)."""
+    """Writes one JSON object per line to ``metrics.jsonl`` (and a copy to ``--log-json``).
 
-    def __init__(self, paths: list[Path], append: bool = False):
-        self.handles = [open(p, "a" if append else "w") for p in paths]
+    A resumed run keeps the lines of epochs up to ``keep_epochs`` (those its checkpoint
+    covers) and drops the rest, so the file reads as if the run had never stopped.
+    """
+
+    def __init__(self, paths: list[Path], keep_epochs: int = 0):
+        self.handles = []
+        for path in paths:
+            kept = []
+            if keep_epochs and path.is_file():
+                records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                kept = [r for r in records if r.get("epoch", keep_epochs + 1) <= keep_epochs]
+            handle = open(path, "w")
+            handle.writelines(json.dumps(r) + "\n" for r in kept)
+            self.handles.append(handle)
 
     def write(self, record: dict) -> None:
         line = json.dumps(record) + "\n"

@@ -75,13 +75,16 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            error = f"cannot write the run directory {run_dir} ({exc.strerror}); pass a writable --out"
+        folders = [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
+        for folder in folders:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / ".write-test"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as exc:
+                error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
+                break
     run_dir, error = comm.broadcast_object((run_dir, error))
     if error:
         raise UserError(error)
@@ -175,7 +178,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     if comm.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(config.to_json() | {"world_size": comm.world_size, "run_dir": str(run_dir)}, indent=1) + "\n")
     metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
-    metrics = MetricsWriter(metric_paths, append=start_epoch > 0) if comm.rank == 0 else None
+    metrics = MetricsWriter(metric_paths, keep_epochs=start_epoch) if comm.rank == 0 else None
 
     comm.stats.reset()  # setup traffic is not an epoch's
     totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)

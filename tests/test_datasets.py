@@ -6,7 +6,6 @@ import gzip
 import json
 import pickle
 import sys
-import time
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -553,13 +552,11 @@ def test_bad_synthetic_specs(spec: str, fragments: list[str]) -> None:
 # ----------------------------------------------------------------------------- progress
 
 
-def test_progress_reports_only_slow_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    with Progress("toy", delay=0.05).step("quick"):
+def test_progress_names_the_dataset_and_can_be_silenced(capsys: pytest.CaptureFixture[str]) -> None:
+    with Progress("toy").step("reading"):
         pass
-    with Progress("toy", delay=0.01).step("slow"):
-        time.sleep(0.2)
-    with Progress("toy", enabled=False, delay=0.0).step("silent"):
-        time.sleep(0.02)
+    with Progress("toy", enabled=False).step("silent"):
+        pass
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "toy: slow ..."
-    assert lines[1].startswith("toy: slow done in ") and len(lines) == 2
+    assert lines[0] == "toy: reading ..."
+    assert lines[1].startswith("toy: reading ... done in ") and len(lines) == 2

@@ -91,8 +91,9 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
     nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
     one = x.dtype.type(1)
     for block in prange(n_blocks):
-        row_max = np.empty(heads, np.float64)
-        row_sum = np.empty(heads, np.float64)
+        # Row statistics in x's dtype: float32 exp is about twice as fast as float64 exp.
+        row_max = np.empty(heads, x.dtype)
+        row_sum = np.empty(heads, x.dtype)
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
             out[v] = 0
             start, end = indptr[v], indptr[v + 1]

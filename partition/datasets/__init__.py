@@ -12,16 +12,13 @@ canonicalisation of the arrays a loader read (:func:`build_graph`).
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 
 from bnsgcn.errors import UserError
+from bnsgcn.progress import step
 from partition.graph import Graph, canonical_csr
 
 DEFAULT_DATA_DIR = Path("data")
@@ -33,36 +30,14 @@ SPEC_FORMS = (*DATASET_NAMES, "saint:<name>", "npz:<path>", "synthetic", "synthe
 
 
 class Progress:
-    """Progress lines on stderr for the steps of a load that take a while.
+    """The named steps of one dataset load, each shown by :func:`bnsgcn.progress.step`."""
 
-    A step prints ``<dataset>: <what> ...`` only once it has run for ``delay`` seconds and,
-    if it did, ``<dataset>: <what> done in <t> s`` when it ends, so fast loads stay silent.
-    """
-
-    def __init__(self, dataset: str, enabled: bool = True, delay: float = 2.0) -> None:
+    def __init__(self, dataset: str, enabled: bool = True) -> None:
         self.dataset = dataset
         self.enabled = enabled
-        self.delay = delay
 
-    def _print(self, message: str) -> None:
-        print(f"{self.dataset}: {message}", file=sys.stderr, flush=True)
-
-    @contextmanager
-    def step(self, what: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter()
-        announce = threading.Timer(self.delay, self._print, args=(f"{what} ...",))
-        announce.daemon = True
-        announce.start()
-        try:
-            yield
-        finally:
-            announce.cancel()
-            elapsed = time.perf_counter() - start
-            if elapsed >= self.delay:
-                self._print(f"{what} done in {elapsed:.1f} s")
+    def step(self, what: str) -> AbstractContextManager[None]:
+        return step(f"{self.dataset}: {what}", enabled=self.enabled)
 
 
 def find_dataset_dir(
