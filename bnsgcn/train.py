@@ -32,6 +32,7 @@ from .graph import ShardGraph
 from .kernels import spmm
 from .log import MetricsWriter, setup_logging
 from .model import GNN
+from .progress import Progress
 from .reducer import GradientReducer
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
@@ -181,6 +182,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     metrics = MetricsWriter(metric_paths, keep_epochs=start_epoch) if comm.rank == 0 else None
 
     comm.stats.reset()  # setup traffic is not an epoch's
+    progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
     totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
     last_loss = float("nan")
     for epoch in range(start_epoch, config.epochs):
@@ -225,6 +227,8 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
                 checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
         if config.checkpoint_every:
             comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
+        progress.update()
+    progress.close()
 
     partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, eval_inputs.x_agg, train_inputs.x_agg)
     figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes))

@@ -7,6 +7,10 @@ by every rank, here and in ``bnsgcn-train`` under torchrun/SLURM:
 
 * :class:`~bnsgcn.errors.UserError` -> ``error: [rank R] <message>`` on stderr, exit 2
   (the traceback too with ``--debug``);
+* a collective that failed because another rank died, failed or hung past ``--timeout``
+  -> one line ``error: [rank R] communication with the other ranks failed: ...``, exit 4
+  (:data:`LOST_PEERS_STATUS`; the traceback too with ``--debug``): this rank is a victim,
+  the cause is in another rank's report;
 * any other exception -> its traceback, every line prefixed ``[rank R]``, exit 1.
 
 Either way the last stderr line names the problem, which is what the supervisor quotes.
@@ -16,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
 
 from bnsgcn.config import TrainConfig, add_arguments, from_args
 from bnsgcn.errors import UserError
+
+# Exit status of a rank whose collective failed because of another rank (see lost_peers).
+LOST_PEERS_STATUS = 4
 
 
 def training_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -45,9 +53,34 @@ def report_errors(work: Callable[[], int], *, rank: int | None, debug: bool) -> 
             _print_prefixed(traceback.format_exc(), prefix)
         print(f"error: {prefix}{exc}", file=sys.stderr, flush=True)
         return 2
-    except Exception:
-        _print_prefixed(traceback.format_exc(), prefix)
-        return 1
+    except Exception as exc:
+        if not lost_peers(exc):
+            _print_prefixed(traceback.format_exc(), prefix)
+            return 1
+        if debug:
+            _print_prefixed(traceback.format_exc(), prefix)
+        print(
+            f"error: {prefix}communication with the other ranks failed: {_first_sentence(exc)}; "
+            "another rank died or failed (see its error) or a collective took longer than --timeout",
+            file=sys.stderr, flush=True,
+        )
+        return LOST_PEERS_STATUS
+
+
+def lost_peers(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because of another rank (it died,
+    failed, or hung past the timeout): torch.distributed's own errors (store, rendezvous,
+    NCCL), or gloo transport errors, which reach Python as plain ``RuntimeError``."""
+    dist = sys.modules.get("torch.distributed")  # loaded by now if it raised
+    if dist is not None and isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc)
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """The gist of a communication error: its first sentence, without gloo's source location."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
 
 
 def _print_prefixed(text: str, prefix: str) -> None:

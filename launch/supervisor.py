@@ -6,6 +6,11 @@ are kept for the failure report. As soon as one child exits non-zero or is kille
 signal, every other child gets SIGTERM, then SIGKILL after ``grace_s`` seconds, and one
 line ``error: rank R failed (...): <its last error line>`` is printed. SIGINT/SIGTERM to
 this process stop all children the same way. No child outlives :func:`supervise`.
+
+The rank named is the cause, not a victim: a rank whose collective failed because of
+another rank exits with :data:`~launch.rank.LOST_PEERS_STATUS`; when such a rank exits
+first, the others get ``settle_s`` seconds to exit on their own, and a rank that failed
+for another reason in that time is named instead.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TextIO
 
+from .rank import LOST_PEERS_STATUS
+
 TAIL_LINES = 20
 STOP_WAIT_S = 10.0  # after SIGKILL: how long to wait for the kernel to reap
 READER_JOIN_S = 2.0
+SETTLE_S = 2.0  # how long a victim's exit waits for the cause's (see module docstring)
 
 
 @dataclass(frozen=True)
@@ -145,8 +153,10 @@ def _exit_status(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode
 
 
-def supervise(children: Sequence[Child], *, grace_s: float = 5.0, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Run ``children`` to completion; 0 when all exit 0, else the first failure's status
+def supervise(
+    children: Sequence[Child], *, grace_s: float = 5.0, settle_s: float = SETTLE_S, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> int:
+    """Run ``children`` to completion; 0 when all exit 0, else the failure's status
     (its exit code, or 128 + signal number; 128 + our signal when interrupted).
 
     ``stdout``/``stderr`` default to this process's streams at call time.
@@ -160,7 +170,7 @@ def supervise(children: Sequence[Child], *, grace_s: float = 5.0, stdout: TextIO
         try:
             for child in children:
                 running.append(_Running(child, exits, lock, stdout, stderr))
-            failed = _first_failure(exits, len(running))
+            failed = _first_failure(exits, len(running), settle_s)
             if failed is None:
                 return 0
             _stop(running, grace_s)
@@ -182,13 +192,27 @@ def supervise(children: Sequence[Child], *, grace_s: float = 5.0, stdout: TextIO
                 r.join_readers()
 
 
-def _first_failure(exits: queue.Queue, count: int) -> _Running | None:
-    """Take exits in order; the first child to exit non-zero, or None if all exit 0."""
+def _first_failure(exits: queue.Queue, count: int, settle_s: float) -> _Running | None:
+    """Take exits in order; the failure to report, or None if all exit 0.
+
+    That is the first child to exit non-zero for a reason of its own; a child that lost
+    its peers (exit status ``LOST_PEERS_STATUS``) only when no such cause exits within
+    ``settle_s`` seconds of it.
+    """
+    victims: list[_Running] = []
+    deadline = None
     for _ in range(count):
-        running = exits.get()
-        if running.process.returncode != 0:
+        try:
+            running = exits.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        code = running.process.returncode
+        if code == LOST_PEERS_STATUS:
+            victims.append(running)
+            deadline = deadline or time.monotonic() + settle_s
+        elif code != 0:
             return running
-    return None
+    return victims[0] if victims else None
 
 
 def _stop(running: Sequence[_Running], grace_s: float) -> None:

@@ -231,3 +231,14 @@ def test_step_reports_time_and_failure():
         with step("METIS", stream):
             raise RuntimeError("boom")
     assert stream.getvalue().startswith("METIS ...\rMETIS ... failed after ") and stream.getvalue().count("\n") == 1
+
+
+def test_synthetic_dataset_end_to_end(tmp_path, capsys):
+    from partition.datasets import load_dataset
+    from tests.test_partition import check_partition_set
+
+    spec = "synthetic:nodes=600,degree=8,features=4,classes=3,seed=2"
+    out = tmp_path / "set"
+    assert main([spec, "--parts", "3", "--objective", "vol", "--out", str(out)]) == 0
+    assert read_manifest(out)["partitioner"]["objective"] == "vol"
+    check_partition_set(load_dataset(spec, None, progress=False), out, 3)

@@ -5,6 +5,12 @@ prebuilt transpose), so each output row has exactly one writer: no atomics, dete
 results for any thread count. Rows are grouped into blocks of about equal cost
 (entries + rows), so skewed degree distributions still balance across threads.
 
+Gathered rows (``x[u]`` for each entry) are random in memory, so the kernels are bound by
+memory latency and bandwidth: the row ``_PREFETCH_DISTANCE`` entries ahead is prefetched.
+With 4 KiB pages nearly every gathered row also misses the TLB; starting the process with
+``THP_MEM_ALLOC_ENABLE=1`` (torch then puts large tensors in transparent huge pages)
+roughly halves the time of a gather-bound kernel (see docs/benchmarks.md).
+
 Compiled specialisations are few: float32 / float64 times the index dtype (int32 unless a
 graph has more than 2^31 - 1 nodes or entries), cached on disk (``cache=True``).
 """
@@ -77,7 +83,7 @@ def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
             out_row = out[v]
             out_row[:] = 0
             for j in range(indptr[v], indptr[v + 1]):
-                # Gathered rows are random: ask for one PREFETCH_DISTANCE entries ahead.
+                # Gathered rows are random: request the one _PREFETCH_DISTANCE entries ahead.
                 if j + _PREFETCH_DISTANCE < nnz:
                     _prefetch_row(x, indices[j + _PREFETCH_DISTANCE], d)
                 x_row = x[indices[j]]
@@ -89,7 +95,7 @@ def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, weighted, slope, alpha, out, n_blocks):
     nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
-    one = x.dtype.type(1)
+    one, slope = x.dtype.type(1), x.dtype.type(slope)
     for block in prange(n_blocks):
         # Row statistics in x's dtype: float32 exp is about twice as fast as float64 exp.
         row_max = np.empty(heads, x.dtype)
@@ -133,7 +139,7 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
 def _gat_edge_grad_kernel(indptr, indices, x, score_src, score_dst, alpha, dy, slope, d_score, d_dst, n_blocks):
     """Per row v: SDDMM g = <dy[v], x[u]>, softmax and LeakyReLU backward into ``d_score``."""
     nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
-    zero = x.dtype.type(0)
+    zero, slope = x.dtype.type(0), x.dtype.type(slope)
     for block in prange(n_blocks):
         row_dot = np.empty(heads, np.float64)
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
@@ -244,11 +250,11 @@ def _array(t: Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
-def _optional(t: Tensor | None, dtype: torch.dtype) -> tuple[np.ndarray, bool]:
-    """``(array, present)``; an empty stand-in when absent keeps one compiled specialisation."""
+def _or_empty(t: Tensor | None, dtype: torch.dtype) -> np.ndarray:
+    """``t`` as an array of ``dtype``; an empty stand-in when absent keeps one compiled specialisation."""
     if t is None:
-        return np.empty(0, dtype=torch.empty(0, dtype=dtype).numpy().dtype), False
-    return _array(t.to(dtype)), True
+        return torch.empty(0, dtype=dtype).numpy()
+    return _array(t.to(dtype))
 
 
 def _offsets(counts: Tensor) -> Tensor:
@@ -270,31 +276,32 @@ def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
     t_indptr = _offsets(adj.t_indptr.diff()[kept_columns])
 
     # Renumbered ids are no larger than the old ones: the index dtypes carry over.
+    new_column = torch.cumsum(keep, 0).sub_(1).to(adj.indices.dtype)
     indices = torch.empty(nnz, dtype=adj.indices.dtype)
     t_indices = torch.empty(nnz, dtype=adj.t_indices.dtype)
     t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
     new_entry = torch.empty(adj.nnz, dtype=adj.t_edge.dtype)
-    value_dtype = torch.float32 if adj.values is None else adj.values.dtype
-    values = None if adj.values is None else torch.empty(nnz, dtype=value_dtype)
-    t_values = None if adj.values is None else torch.empty(nnz, dtype=value_dtype)
-    old_values, weighted = _optional(adj.values, value_dtype)
-    new_column = torch.cumsum(keep, 0).sub_(1).to(adj.indices.dtype)
+    weighted = adj.values is not None
+    value_dtype = adj.values.dtype if weighted else torch.float32
+    values = torch.empty(nnz, dtype=value_dtype) if weighted else None
+    t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
     _filter_rows_kernel(
-        _array(adj.indptr), _array(adj.indices), old_values, weighted, keep_array, _array(new_column),
-        _array(indptr), indices.numpy(), _optional(values, value_dtype)[0], new_entry.numpy(), n_blocks,
+        _array(adj.indptr), _array(adj.indices), _or_empty(adj.values, value_dtype), weighted, keep_array,
+        _array(new_column), _array(indptr), indices.numpy(), _or_empty(values, value_dtype), new_entry.numpy(),
+        n_blocks,
     )  # fmt: skip
     _filter_columns_kernel(
-        _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _optional(adj.t_values, value_dtype)[0],
+        _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype),
         weighted, _array(kept_columns), new_entry.numpy(), _array(t_indptr), t_indices.numpy(), t_edge.numpy(),
-        _optional(t_values, value_dtype)[0], n_blocks,
+        _or_empty(t_values, value_dtype), n_blocks,
     )  # fmt: skip
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
 
 
 def _spmm_csr(indptr: Tensor, indices: Tensor, values: Tensor | None, x: Tensor, n_rows: int) -> Tensor:
     out = x.new_empty(n_rows, x.shape[1])
-    values_array, weighted = _optional(values, x.dtype)
-    _spmm_kernel(_array(indptr), _array(indices), values_array, weighted, _array(x), out.numpy(), _n_blocks())
+    values_array = _or_empty(values, x.dtype)
+    _spmm_kernel(_array(indptr), _array(indices), values_array, values is not None, _array(x), out.numpy(), _n_blocks())
     return out
 
 
@@ -315,15 +322,14 @@ def gat_forward(
     heads = x.shape[1]
     out = x.new_empty(adj.n_rows, heads, x.shape[2])
     alpha = x.new_empty(adj.nnz, heads)
-    weight_array, weighted = _optional(col_weight, x.dtype)
     _gat_forward_kernel(
         _array(adj.indptr),
         _array(adj.indices),
         _array(x),
         _array(score_src),
         _array(score_dst),
-        weight_array,
-        weighted,
+        _or_empty(col_weight, x.dtype),
+        col_weight is not None,
         float(negative_slope),
         alpha.numpy(),
         out.numpy(),

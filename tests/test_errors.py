@@ -1,0 +1,347 @@
+"""The bad-input catalogue of docs/errors.md, one test per entry, through the real CLIs.
+
+Every entry runs ``bnsgcn-partition`` or ``bnsgcn-train`` as a subprocess (``python -m
+partition.cli`` / ``python -m launch.cli``) and checks what the user sees: exit status 2,
+a last stderr line ``error: ...`` with the entry's key words, no traceback (one entry
+checks that ``--debug`` adds it), and that earlier good outputs (a partition set, a run
+directory) keep every file byte for byte.
+
+Small graphs and two-epoch runs keep the module fast; the only real training run is the
+module fixture that proves the good partition set trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from .distributed import SHARED_DATA, partition, random_graph
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PARTITION = [sys.executable, "-m", "partition.cli"]
+TRAIN = [sys.executable, "-m", "launch.cli"]
+# Tiny model, few epochs: every run here is about the checks around training.
+SMALL_RUN = ["--layers", "2", "--hidden", "8", "--epochs", "2", "--eval-every", "1", "--threads", "1", "--timeout", "60"]
+NUM_CLASSES = 3
+CLI_TIMEOUT_S = 240  # generous on a loaded machine; a hang still fails the test
+# Variables that would switch bnsgcn-train into one-rank mode (torchrun / srun).
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Exit status and output of one CLI run."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.stderr.strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+def run_cli(command: list[str], args: list[str], cwd: Path) -> Outcome:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    return Outcome(done.returncode, done.stdout, done.stderr)
+
+
+def assert_user_error(outcome: Outcome, *keywords: str) -> None:
+    """Exit 2, one ``error:`` line naming the problem last, no traceback."""
+    assert outcome.code == 2, outcome.stderr
+    assert outcome.last_line.startswith("error: "), outcome.stderr
+    for keyword in keywords:
+        assert keyword in outcome.last_line, (keyword, outcome.last_line)
+    assert "Traceback" not in outcome.stderr, outcome.stderr
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (all small here), by relative path."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def assert_kept(before: dict[str, bytes], directory: Path) -> None:
+    """``directory`` holds the same files with the same bytes as in ``before``; only a
+    run's ``log.txt`` may have grown (a failed attempt may log, never rewrite)."""
+    after = snapshot(directory)
+    assert sorted(after) == sorted(before)
+    for name, content in before.items():
+        if Path(name).name == "log.txt":
+            assert after[name].startswith(content), name
+        else:
+            assert after[name] == content, name
+
+
+# --- fixtures: one good partition set and one good run, made once -----------------------
+
+
+@pytest.fixture(scope="module")
+def good_set(tmp_path_factory) -> Path:
+    graph = random_graph(num_nodes=120, avg_degree=4, classes=NUM_CLASSES, seed=1)
+    return partition(graph, 2, tmp_path_factory.mktemp("good") / "parts" / "good-2")
+
+
+@pytest.fixture(scope="module")
+def good_run(good_set: Path, tmp_path_factory) -> Path:
+    """A finished run (with checkpoints) on ``good_set``: the set is fine as it is."""
+    work = tmp_path_factory.mktemp("good-run")
+    run_dir = work / "run"
+    outcome = run_cli(TRAIN, ["--procs", "2", "--parts-dir", str(good_set), "--out", str(run_dir), "--checkpoint-every", "1", *SMALL_RUN], work)
+    assert outcome.code == 0, outcome.stderr
+    assert (run_dir / "checkpoints" / "checkpoint-000002.pt").is_file()
+    return run_dir
+
+
+@pytest.fixture
+def parts(good_set: Path, tmp_path: Path) -> Path:
+    """A private copy of the good set, to damage."""
+    return Path(shutil.copytree(good_set, tmp_path / "parts" / "set-2"))
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path: Path) -> Path:
+    """A directory nobody may create files in, root included: a link to sysfs."""
+    if not os.access("/sys", os.F_OK):
+        pytest.fail("this test needs Linux sysfs at /sys as a directory no user can write")
+    link = tmp_path / "read-only"
+    link.symlink_to("/sys")
+    return link
+
+
+def train_on(parts_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["--procs", "2", "--parts-dir", str(parts_dir), "--out", str(run_dir), *SMALL_RUN, *extra]
+
+
+def expect_train_error(cwd: Path, good_set: Path, good_run: Path, args: list[str], *keywords: str) -> Outcome:
+    """Run bnsgcn-train; check the error and that the good set and run are untouched."""
+    before_set, before_run = snapshot(good_set), snapshot(good_run)
+    outcome = run_cli(TRAIN, args, cwd)
+    assert_user_error(outcome, *keywords)
+    assert_kept(before_set, good_set)
+    assert_kept(before_run, good_run)
+    return outcome
+
+
+# --- bnsgcn-partition --------------------------------------------------------------------
+
+
+def write_npz(path: Path, features: np.ndarray | None = None, labels: np.ndarray | None = None) -> Path:
+    """A small graph in the npz layout of docs/datasets.md, optionally with bad arrays."""
+    graph = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2)
+    np.savez(
+        path,
+        adj_indptr=graph.indptr, adj_indices=graph.indices, adj_data=np.ones(graph.indices.shape[0], np.float32),
+        adj_shape=np.array([graph.num_nodes, graph.num_nodes]),
+        features=graph.features if features is None else features,
+        labels=graph.labels if labels is None else labels,
+        train_mask=graph.train_mask, val_mask=graph.val_mask, test_mask=graph.test_mask,
+    )
+    return path
+
+
+def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywords: str) -> None:
+    """Run bnsgcn-partition with ``--out`` at an existing good set and ``--force``: the
+    error must leave that set as it was."""
+    before = snapshot(parts.parent)
+    outcome = run_cli(PARTITION, [*args, "--out", str(parts), "--force"], tmp_path)
+    assert_user_error(outcome, *keywords)
+    assert_kept(before, parts.parent)
+
+
+def test_partition_unknown_dataset(tmp_path, parts):
+    expect_partition_error(tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora")
+
+
+def test_partition_missing_dataset_files(tmp_path, parts):
+    (tmp_path / "empty").mkdir()
+    expect_partition_error(tmp_path, parts, ["cora", "--data-dir", str(tmp_path / "empty")], "ind.cora.x", str(tmp_path / "empty"), "--data-dir")
+
+
+def test_partition_labels_out_of_range(tmp_path, parts):
+    labels = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2).labels.copy()
+    labels[7] = -1
+    path = write_npz(tmp_path / "bad-labels.npz", labels=labels)
+    expect_partition_error(tmp_path, parts, [f"npz:{path}"], "bad-labels.npz", "label -1 of node 7", "outside [0, 3)", "fix the labels")
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_partition_nan_or_infinite_features(tmp_path, parts, bad_value):
+    features = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2).features.copy()
+    features[5, 2] = bad_value
+    path = write_npz(tmp_path / "bad-features.npz", features=features)
+    expect_partition_error(tmp_path, parts, [f"npz:{path}"], "bad-features.npz", "NaN or infinite", "first at node 5", "clean the features")
+
+
+def test_partition_unwritable_output(tmp_path, unwritable_dir):
+    write_npz(tmp_path / "good.npz")
+    (tmp_path / "a-file").write_text("not a directory\n")
+    for out in (unwritable_dir / "set", tmp_path / "a-file" / "set"):
+        before = snapshot(tmp_path)
+        outcome = run_cli(PARTITION, [f"npz:{tmp_path / 'good.npz'}", "--out", str(out)], tmp_path)
+        assert_user_error(outcome, f"cannot write the partition set to {out}", "choose a writable --out")
+        assert_kept(before, tmp_path)  # no temporary directory left behind
+
+
+def test_partition_debug_shows_the_traceback(tmp_path, parts):
+    outcome = run_cli(PARTITION, ["no-such-dataset", "--out", str(parts), "--force", "--debug"], tmp_path)
+    assert outcome.code != 0
+    assert "Traceback (most recent call last)" in outcome.stderr
+    assert "UserError: unknown dataset 'no-such-dataset'" in outcome.stderr
+
+
+# --- bnsgcn-train: flags and machine, checked before any rank starts ----------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "keywords"),
+    [
+        (["--model", "gcnn"], ["unknown model 'gcnn'", "choose --model from graphsage, gat, gcn"]),
+        (["--p", "1.5"], ["--p 1.5 is outside [0, 1]", "--p 0.1"]),
+        (["--p", "-0.1"], ["--p -0.1 is outside [0, 1]"]),
+        (["--layers", "0"], ["--layers 0 must be a positive integer"]),
+        (["--hidden", "-8"], ["--hidden -8 must be a positive integer"]),
+        (["--epochs", "0"], ["--epochs 0 must be a positive integer"]),
+    ],
+    ids=["unknown-model", "p-above-1", "p-below-0", "layers-0", "hidden-negative", "epochs-0"],
+)
+def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):
+    # The flag comes last so that it overrides SMALL_RUN's value.
+    expect_train_error(tmp_path, good_set, good_run, train_on(good_set, good_run, *flags), *keywords)
+
+
+def test_train_debug_shows_the_traceback(tmp_path, good_set, good_run):
+    outcome = run_cli(TRAIN, train_on(good_set, good_run, "--p", "1.5", "--debug"), tmp_path)
+    assert outcome.code == 2
+    assert "Traceback (most recent call last)" in outcome.stderr
+    assert outcome.last_line == "error: --p 1.5 is outside [0, 1]; pass a probability such as --p 0.1"
+
+
+def test_train_more_gpus_than_present(tmp_path, good_set, good_run):
+    wanted = torch.cuda.device_count() + 1
+    args = ["--gpus", str(wanted), "--parts-dir", str(good_set), "--out", str(good_run), *SMALL_RUN]
+    expect_train_error(tmp_path, good_set, good_run, args, f"--gpus {wanted} needs {wanted} CUDA GPU", f"this machine has {wanted - 1}", f"--procs {wanted}")
+
+
+def test_train_ranks_not_matching_parts(tmp_path, good_set, good_run):
+    args = ["--procs", "3", "--parts-dir", str(good_set), "--out", str(good_run), *SMALL_RUN]
+    expect_train_error(tmp_path, good_set, good_run, args, "3 ranks but partition set", "has 2 partitions", "--procs 2", "re-partition into 3 parts")
+
+
+def test_train_master_port_in_use(tmp_path, good_set, good_run):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = train_on(good_set, good_run, "--master-port", str(port))
+        expect_train_error(tmp_path, good_set, good_run, args, f"master port {port} is already in use", "--master-port")
+
+
+def test_train_newer_format_version(tmp_path, parts, good_run):
+    manifest_path = parts / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "format version 99", "newer than this bnsgcn reads", "upgrade bnsgcn")
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_train_manifest_missing_or_corrupt(tmp_path, parts, good_run, damage):
+    manifest_path = parts / "manifest.json"
+    if damage == "missing":
+        manifest_path.unlink()
+        keywords = ["manifest.json not found", "is not a partition set", "bnsgcn-partition"]
+    else:
+        manifest_path.write_text(manifest_path.read_text()[:100])
+        keywords = ["manifest.json is not valid JSON", "re-run bnsgcn-partition"]
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), *keywords)
+
+
+# --- bnsgcn-train: the partition set's files, checked by each rank ----------------------
+
+
+def test_train_incomplete_set(tmp_path, parts, good_run):
+    shutil.rmtree(parts / "part-1")
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 1 failed (exit code 2)", "part-1", "is missing", "incomplete", "bnsgcn-partition --force")
+
+
+def test_train_truncated_array_is_caught_by_the_size_check(tmp_path, parts, good_run):
+    features = parts / "part-1" / "features.npy"
+    size = features.stat().st_size
+    with open(features, "r+b") as handle:
+        handle.truncate(size - 64)
+    expect_train_error(
+        tmp_path, parts, good_run, train_on(parts, good_run),
+        "rank 1 failed", str(features), f"has {size - 64} bytes, the manifest says {size}", "truncated or corrupt",
+    )
+
+
+def test_train_truncated_array_with_debug_shows_the_rank_traceback(tmp_path, parts, good_run):
+    features = parts / "part-1" / "features.npy"
+    with open(features, "r+b") as handle:
+        handle.truncate(features.stat().st_size - 64)
+    outcome = run_cli(TRAIN, train_on(parts, good_run, "--debug"), tmp_path)
+    assert outcome.code == 2
+    assert "[rank 1] Traceback (most recent call last)" in outcome.stderr
+    assert "truncated or corrupt" in outcome.last_line
+
+
+def test_train_flipped_bytes_are_caught_with_verify(tmp_path, parts, good_run):
+    indices = parts / "part-0" / "adj_indices.npy"
+    data = bytearray(indices.read_bytes())
+    data[-8:] = bytes(255 - b for b in data[-8:])  # same size, different content
+    indices.write_bytes(bytes(data))
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run, "--verify"), "rank 0 failed", str(indices), "fails its SHA-256 checksum", "corrupt")
+
+
+def edit_array(path: Path, edit) -> None:
+    """Change values of a partition array in place, keeping dtype, shape and file size
+    (only ``--verify`` would notice from the checksum)."""
+    array = np.load(path)
+    size = path.stat().st_size
+    edit(array)
+    np.save(path, array)
+    assert path.stat().st_size == size
+
+
+def test_train_labels_out_of_range_in_an_edited_set(tmp_path, parts, good_run):
+    edit_array(parts / "part-0" / "labels.npy", lambda labels: labels.__setitem__(3, NUM_CLASSES + 4))
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 0 failed", f"partition 0 of {parts}", f"labels outside [0, {NUM_CLASSES})", "re-partition")
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, -np.inf])
+def test_train_nan_or_infinite_features_in_an_edited_set(tmp_path, parts, good_run, bad_value):
+    edit_array(parts / "part-1" / "features.npy", lambda features: features.__setitem__((2, 1), bad_value))
+    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 1 failed", f"partition 1 of {parts}", "NaN or infinite features", "re-partition")
+
+
+# --- bnsgcn-train: output directories ----------------------------------------------------
+
+
+def test_train_unwritable_output_dir(tmp_path, good_set, good_run, unwritable_dir):
+    (tmp_path / "a-file").write_text("not a directory\n")
+    for out in (unwritable_dir / "run", tmp_path / "a-file" / "run"):
+        expect_train_error(tmp_path, good_set, good_run, train_on(good_set, out), f"cannot write {out}", "pass a writable --out")
+
+
+def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritable_dir):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(unwritable_dir)
+    expect_train_error(
+        tmp_path, good_set, good_run, train_on(good_set, run_dir, "--checkpoint-every", "1"),
+        f"cannot write {run_dir / 'checkpoints'}", "pass a writable --out",
+    )
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # nothing trained, nothing written
