@@ -19,7 +19,7 @@ import torch
 from .comm import Comm
 
 CATEGORIES = ("features", "gradients", "selections", "reduction", "evaluation", "control")
-TIMES = ("sampling", "forward", "backward", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle")
+TIMES = ("sampling", "forward", "backward", "exchange_selections", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle")
 COLUMNS = (
     ("loss_sum", "sampled_boundary", "epoch_time")
     + tuple(f"time_{t}" for t in TIMES)
@@ -64,6 +64,10 @@ class EpochAccount:
         for c in CATEGORIES:
             self.values[f"sent_{c}"] += stats.sent.get(c, 0)
             self.values[f"received_{c}"] += stats.received.get(c, 0)
+        # The selections all-to-all runs inside the sampling step; its time (mostly waiting
+        # for the slowest rank) is communication, not sampling work.
+        self.values["time_exchange_selections"] += stats.seconds.get("selections", 0.0)
+        self.values["time_sampling"] -= stats.seconds.get("selections", 0.0)
         self.values["time_exchange_forward"] += stats.seconds.get("features", 0.0)
         self.values["time_exchange_backward"] += stats.seconds.get("gradients", 0.0)
         stats.reset()

@@ -42,7 +42,7 @@ def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> E
     """The plan for boundary columns ``keep`` (bool [n_boundary]) drawn with probability ``p``.
 
     At p = 1 and p = 0 every rank knows the plan already; otherwise ranks tell owners which
-    boundary rows they kept (one byte per boundary node) and learn which rows others want.
+    boundary rows they kept (one bit per boundary node) and learn which rows others want.
     All ranks must call this together.
     """
     if p >= 1.0:
@@ -50,14 +50,41 @@ def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> E
     if p <= 0.0:
         zeros = [0] * len(topology.send_counts)
         return ExchangePlan(torch.empty(0, dtype=torch.int64, device=comm.device), zeros, list(zeros))
-    wanted = torch.empty(sum(topology.send_counts), dtype=torch.uint8)
-    comm.all_to_all(keep.to(torch.uint8), topology.boundary_counts, topology.send_counts, wanted, "selections")
-    wanted = wanted.bool()
+    wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8)
+    comm.all_to_all(_pack_segments(keep, topology.boundary_counts), _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
+    wanted = _unpack_segments(wanted_bits, topology.send_counts)
     return ExchangePlan(
         send_index=topology.send_nodes[wanted].to(comm.device),
         send_counts=segment_counts(wanted, topology.send_counts),
         recv_counts=segment_counts(keep, topology.boundary_counts),
     )
+
+
+def _packed_sizes(counts: list[int]) -> list[int]:
+    return [(n + 7) // 8 for n in counts]
+
+
+def _padded_positions(counts: list[int]) -> torch.Tensor:
+    """Where each entry of consecutive segments lands when every segment is padded to a whole byte."""
+    lengths = torch.tensor(counts, dtype=torch.int64)
+    padded = torch.tensor(_packed_sizes(counts), dtype=torch.int64) * 8
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(lengths, 0) - lengths)
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(shift, lengths)
+
+
+def _pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """One bit per entry, each segment starting on a byte boundary: uint8 [sum(ceil(n / 8))]."""
+    bits = torch.zeros(sum(_packed_sizes(counts)) * 8, dtype=torch.uint8)
+    bits[_padded_positions(counts)] = mask.to(torch.uint8)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def _unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Inverse of :func:`_pack_segments`: bool [sum(counts)]."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
+    bits = ((packed.view(-1, 1) >> shifts) & 1).view(-1)
+    return bits[_padded_positions(counts)].bool()
 
 
 class _Buffer:

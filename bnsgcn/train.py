@@ -189,7 +189,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
         account = EpochAccount()
         t0 = time.perf_counter()
         with account.timed("sampling"):  # sample -> exchange selections -> this epoch's graph
-            keep = sample_boundary(train_inputs.topology.n_boundary, config.p, config.seed, comm.rank, epoch)
+            keep = sample_boundary(train_inputs.topology.boundary_counts, config.p, config.seed, comm.rank, epoch)
             plan = make_plan(comm, train_inputs.topology, keep, config.p)
             g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
         model.train()
@@ -247,8 +247,8 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
 def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
     """The job-level JSON line of one epoch: times of the slowest rank, bytes of all ranks."""
     col = lambda name: table[:, INDEX[name]]  # noqa: E731
-    exchange = col("time_exchange_forward") + col("time_exchange_backward")
-    compute = col("time_forward") + col("time_backward") - exchange
+    exchange = col("time_exchange_selections") + col("time_exchange_forward") + col("time_exchange_backward")
+    compute = col("time_forward") + col("time_backward") - col("time_exchange_forward") - col("time_exchange_backward")
     return {
         "epoch": epoch,
         "loss": loss,
