@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.fullgraph import emit, load_full_graph, measure_epochs
+from benchmarks.fullgraph import load_full_graph, measure_epochs, run_and_emit
 from bnsgcn.kernels import Adjacency, gat_aggregate, spmm
 
 
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
-    emit(run(args), args.json)
-    return 0
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the way the suite reads the engine's ``metrics.jsonl``: the first epoch is a war
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -87,11 +88,19 @@ def measure_epochs(step: Callable[[], None], epochs: int) -> dict:
     return {"epoch_time_s": statistics.median(times[1:]), "epoch_times_s": times}
 
 
-def emit(result: dict, out: Path | None) -> None:
-    """Print the result as one JSON line, and write it to ``out`` when given."""
-    text = json.dumps(result)
-    if out is not None:
-        tmp = out.with_suffix(out.suffix + ".tmp")
+def run_and_emit(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace) -> int:
+    """Run a reference and print its result as one JSON line (also to ``args.json`` when given).
+
+    Bad input is one ``error:`` line and exit status 2.
+    """
+    try:
+        text = json.dumps(run(args))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json is not None:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(text + "\n")
-        os.replace(tmp, out)
-    print(text, file=sys.stdout)
+        os.replace(tmp, args.json)
+    print(text)
+    return 0

@@ -25,6 +25,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Callable
 
 # Gathering random rows of a large matrix misses the TLB on nearly every row with 4 KiB
 # pages; torch's allocator madvises huge pages when this is set before torch allocates.
@@ -73,22 +74,27 @@ def random_graph(nodes: int, edges: int, seed: int) -> Adjacency:
     return Adjacency.from_csr(indptr, cols, nodes, values)
 
 
-def best_time(fn, repeat: int) -> float:
-    """Best wall time of ``repeat`` runs after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def best_times(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Best wall time of each function over ``repeat`` runs after one warm-up run.
+
+    The functions take turns, so a competitor and ours see the same machine conditions.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name] = min(times[name], time.perf_counter() - start)
+    return times
 
 
 def copy_bandwidth(repeat: int) -> float:
     """Bytes/s of a large tensor copy (read + write), the roofline for memory-bound kernels."""
     src = torch.randn(64 * 2**20)  # 256 MiB, far above the caches
     dst = torch.empty_like(src)
-    return 2 * src.numel() * FLOAT_BYTES / best_time(lambda: dst.copy_(src), repeat)
+    return 2 * src.numel() * FLOAT_BYTES / best_times({"copy": lambda: dst.copy_(src)}, repeat)["copy"]
 
 
 def spmm_bytes(n_out: int, n_structure_rows: int, nnz: int, dim: int, index_bytes: int) -> int:
@@ -100,14 +106,21 @@ def bench_spmm(adj: Adjacency, dim: int, repeat: int) -> dict:
     x = torch.randn(adj.n_cols, dim, requires_grad=True)
     dy = torch.randn(adj.n_rows, dim)
     y = spmm(adj, x)
-    ours_fwd = best_time(lambda: spmm(adj, x.detach()), repeat)
-    ours_bwd = best_time(lambda: torch.autograd.grad(y, x, dy, retain_graph=True), repeat)
-
     a = torch.sparse_csr_tensor(adj.indptr, adj.indices.long(), adj.values, size=(adj.n_rows, adj.n_cols))
     y_torch = torch.sparse.mm(a, x)
     torch.testing.assert_close(y, y_torch, rtol=1e-4, atol=1e-4)
-    torch_fwd = best_time(lambda: torch.sparse.mm(a, x.detach()), repeat)
-    torch_bwd = best_time(lambda: torch.autograd.grad(y_torch, x, dy, retain_graph=True), repeat)
+    t = best_times(
+        {
+            "ours_forward": lambda: spmm(adj, x.detach()),
+            "torch_forward": lambda: torch.sparse.mm(a, x.detach()),
+            "ours_backward": lambda: torch.autograd.grad(y, x, dy, retain_graph=True),
+            "torch_backward": lambda: torch.autograd.grad(y_torch, x, dy, retain_graph=True),
+        },
+        repeat,
+    )
+    ours_fwd, torch_fwd, ours_bwd, torch_bwd = (
+        t["ours_forward"], t["torch_forward"], t["ours_backward"], t["torch_backward"]
+    )  # fmt: skip
 
     index_bytes = adj.indices.element_size()
     fwd_bytes = spmm_bytes(adj.n_rows, adj.n_rows, adj.nnz, dim, index_bytes)
@@ -134,17 +147,22 @@ def bench_gat(adj: Adjacency, heads: int, head_dim: int, repeat: int, backend: s
     s_dst = torch.randn(adj.n_rows, heads, generator=g).requires_grad_()
     y = gat_aggregate(adj, x, s_src, s_dst)
     dy = torch.randn_like(y)
-    fwd = best_time(lambda: gat_aggregate(adj, x, s_src, s_dst), repeat)
-    bwd = best_time(lambda: torch.autograd.grad(y, (x, s_src, s_dst), dy, retain_graph=True), repeat)
+    t = best_times(
+        {
+            "forward_s": lambda: gat_aggregate(adj, x, s_src, s_dst),
+            "backward_s": lambda: torch.autograd.grad(y, (x, s_src, s_dst), dy, retain_graph=True),
+        },
+        repeat,
+    )
     os.environ[ENV_VAR] = "auto"
-    return {"forward_s": fwd, "backward_s": bwd}
+    return t
 
 
 def bench_select_columns(adj: Adjacency, repeat: int, backend: str) -> float:
     """Seconds to drop a random half of the columns (the per-epoch boundary sampling step)."""
     os.environ[ENV_VAR] = backend
     keep = torch.rand(adj.n_cols, generator=torch.Generator().manual_seed(2)) < 0.5
-    seconds = best_time(lambda: adj.select_columns(keep), repeat)
+    seconds = best_times({"select": lambda: adj.select_columns(keep)}, repeat)["select"]
     os.environ[ENV_VAR] = "auto"
     return seconds
 
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     compile_times = first_call_times(args.threads)
     adj = random_graph(args.nodes, args.edges, args.seed)
     bandwidth = copy_bandwidth(args.repeat)
@@ -219,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "graph": {"n_rows": adj.n_rows, "n_cols": adj.n_cols, "nnz": adj.nnz},
         "machine": machine() | {"threads": torch.get_num_threads()},
+        # Other processes on the machine slow every number down; the 1-minute load says how busy it was.
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "spmm": spmm_result,
         "gat": gat,

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.fullgraph import FullGraph, emit, load_full_graph, measure_epochs, peak_rss_bytes, rss_bytes
+from benchmarks.fullgraph import FullGraph, load_full_graph, measure_epochs, peak_rss_bytes, rss_bytes, run_and_emit
+from bnsgcn.errors import UserError
 
 VARIANTS = ("edge_index", "csr")
 
@@ -90,7 +91,11 @@ def adjacency(graph: FullGraph, variant: str):
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from torch_geometric.utils import spmm  # imported before the baseline: it is part of the process
+    try:  # imported before the baseline: it is part of the process
+        import torch_geometric
+        from torch_geometric.utils import spmm
+    except ImportError:
+        raise UserError("the PyTorch Geometric reference needs torch-geometric: pip install bnsgcn[bench]") from None
 
     baseline = rss_bytes()
     graph = load_full_graph(args.parts_dir)
@@ -114,8 +119,6 @@ def run(args: argparse.Namespace) -> dict:
         optimizer.step()
 
     result = measure_epochs(step, args.epochs)
-    import torch_geometric
-
     peak = peak_rss_bytes()
     return result | {
         "reference": "pyg", "variant": args.variant, "model": args.model, "threads": args.threads,
@@ -141,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model == "gat" and args.variant != "edge_index":
         parser.error("--model gat runs with --variant edge_index only")
-    emit(run(args), args.json)
-    return 0
+    return run_and_emit(run, args)
 
 
 if __name__ == "__main__":

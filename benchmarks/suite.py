@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 
@@ -139,15 +139,16 @@ class Step:
     threads: int = 1
     epochs: int = 5
     variant: str = ""
-    flags: tuple[str, ...] = field(default=())
+    flags: tuple[str, ...] = ()
 
 
 def threads_per_rank(ranks: int, cores: int) -> int:
     return max(1, cores // ranks)
 
 
-def model_flags(model: str) -> tuple[str, ...]:
-    return ("--model", model) + tuple(x for k, v in MODELS[model].items() for x in (f"--{k}", str(v)))
+def size_flags(model: str) -> tuple[str, ...]:
+    """``--layers L --hidden H [--heads K]`` of a model, for bnsgcn-train and the references alike."""
+    return tuple(x for k, v in MODELS[model].items() for x in (f"--{k}", str(v)))
 
 
 def plan(preset: Preset, cores: int = 2) -> list[Step]:
@@ -156,7 +157,7 @@ def plan(preset: Preset, cores: int = 2) -> list[Step]:
 
     def train(group: str, graph: str, spec: str, ranks: int, model: str, p: float, epochs: int, flags: tuple[str, ...] = ()) -> Step:
         name = f"{group}-{model}-{graph}-r{ranks}-p{p:g}"
-        return Step(name, "train", group, graph, spec, ranks, model, p, threads_per_rank(ranks, cores), epochs, flags=flags or model_flags(model) + ("--eval-every", "0"))
+        return Step(name, "train", group, graph, spec, ranks, model, p, threads_per_rank(ranks, cores), epochs, flags=flags or ("--model", model, *size_flags(model), "--eval-every", "0"))
 
     used = {(m, r) for m, graphs in preset.scaling.items() for ranks in graphs.values() for r in ranks}
     steps += [train("baseline", "tiny", TINY, r, m, 1.0, 2) for m, r in sorted(used)]
@@ -191,9 +192,8 @@ def step_command(work: Path, step: Step) -> list[str]:
         return ["bnsgcn-train", "--parts-dir", parts, "--procs", str(step.ranks), "--threads", str(step.threads), "--p", f"{step.p:g}",
                 "--epochs", str(step.epochs), *step.flags, "--out", str(work / "runs" / step.name)]
     module = "benchmarks.pyg_reference" if step.kind == "pyg" else "benchmarks.compute_bound"
-    sizes = tuple(x for k, v in MODELS[step.model].items() for x in (f"--{k}", str(v)))
     variant = ("--variant", step.variant) if step.variant else ()
-    return ["python", "-m", module, "--parts-dir", parts, "--model", step.model, *sizes, *variant,
+    return ["python", "-m", module, "--parts-dir", parts, "--model", step.model, *size_flags(step.model), *variant,
             "--threads", str(step.threads), "--epochs", str(step.epochs), "--json", str(work / "runs" / f"{step.name}.json")]
 
 
@@ -267,7 +267,7 @@ def _max(values: list[float]) -> float:
 
 
 def attach_baselines(results: list[dict]) -> None:
-    """Peak memory above the tiny-graph run of the same command (model, ranks, threads)."""
+    """Peak memory above the tiny-graph run of the same command (same model and ranks, so same threads)."""
     base = {(r["model"], r["ranks"]): _max(r["peak_rss_bytes"]) for r in results if r["group"] == "baseline" and "peak_rss_bytes" in r}
     for r in results:
         if r["kind"] == "train" and r["group"] != "baseline" and "peak_rss_bytes" in r and (r["model"], r["ranks"]) in base:
@@ -309,25 +309,27 @@ def targets(results: list[dict], preset: Preset) -> dict:
 
         one, full = (find(group="scaling", model="graphsage", graph=largest, ranks=most, p=p) for p in (0.01, 1.0))
         if one and full:
-            measure = lambda r: {  # noqa: E731
-                "peak_rss": _max(r["peak_rss_bytes"]),
-                "above_baseline": r.get("memory_above_baseline_bytes", float("nan")),
-                "partition_plus_activations": _max([a + b for a, b in zip(r["partition_bytes"], r["saved_activation_bytes"])]),
-                "saved_activations": _max(r["saved_activation_bytes"]),
-            }
-            low, high = measure(one), measure(full)
-            ratios = {k: low[k] / high[k] if high[k] else float("nan") for k in low}
+            def measures(r: dict) -> dict[str, float]:
+                m = {"peak_rss": _max(r["peak_rss_bytes"])}
+                if "memory_above_baseline_bytes" in r:
+                    m["above_baseline"] = r["memory_above_baseline_bytes"]
+                m["partition_plus_activations"] = _max([a + b for a, b in zip(r["partition_bytes"], r["saved_activation_bytes"])])
+                m["saved_activations"] = _max(r["saved_activation_bytes"])
+                return m
+
+            low, high = measures(one), measures(full)
+            ratios = {k: low[k] / high[k] for k in low if k in high and high[k] > 0}
             out["memory_p001_vs_p1"] = {
                 "graph": largest, "ranks": most, "boundary_inner_max": full["boundary_inner_ratio"]["max"],
-                "boundary_inner_min": full["boundary_inner_ratio"]["min"], "p001_bytes": low, "p1_bytes": high, "ratios": ratios,
-                "met_by": [k for k, v in ratios.items() if v <= 0.6],
+                "boundary_inner_min": full["boundary_inner_ratio"]["min"], "graph_qualifies": full["boundary_inner_ratio"]["min"] >= 1.0,
+                "p001_bytes": low, "p1_bytes": high, "ratios": ratios, "met_by": [k for k, v in ratios.items() if v <= 0.6],
             }
 
-    sampled = [r for r in ok if r["group"] == "scaling"]
-    if sampled:
-        worst = max(sampled, key=lambda r: r["sampling_share"])
+    scaling = [r for r in ok if r["group"] == "scaling"]
+    if scaling:
+        worst = max(scaling, key=lambda r: r["sampling_share"])
         out["sampling_share"] = {"max": worst["sampling_share"], "at": worst["name"], "met": worst["sampling_share"] < 0.10,
-                                 "per_p_max": {f"{p:g}": _max([r["sampling_share"] for r in sampled if r["p"] == p]) for p in preset.ps}}
+                                 "per_p_max": {f"{p:g}": _max([r["sampling_share"] for r in scaling if r["p"] == p]) for p in preset.ps}}
     return out
 
 
@@ -409,25 +411,29 @@ def figures(document: dict, stem: Path) -> list[Path]:
         print(f"note: {report.PLOTS_HINT}", file=sys.stderr)
         return []
     results = [r for r in document["runs"] if "error" not in r]
+    paths = []
     scaling = [r for r in results if r["group"] == "scaling"]
-    series: dict[str, list[dict]] = {}
-    for r in scaling:
-        series.setdefault(f"{r['model']} {r['graph']} x{r['ranks']}", []).append(r)
-    fig = Figure(figsize=(14, 4.5), layout="constrained")
-    axes = fig.subplots(1, 3)
-    panels = (("epoch time (s)", lambda r: r["epoch_time_s"]), ("MiB sent per epoch", lambda r: r["bytes_per_epoch"] / MiB),
-              ("peak RSS per rank above baseline (MiB)", lambda r: r.get("memory_above_baseline_bytes", float("nan")) / MiB))
-    ps = sorted({r["p"] for r in scaling}, reverse=True)
-    for ax, (label, value) in zip(axes, panels):
-        for name, runs in series.items():
-            by_p = {r["p"]: value(r) for r in runs}
-            ax.plot(range(len(ps)), [by_p.get(p, float("nan")) for p in ps], marker="o", label=name)
-        ax.set_xticks(range(len(ps)), [f"{p:g}" for p in ps])
-        ax.set_xlabel("p")
-        ax.set_title(label)
-    axes[0].legend(fontsize="small")
-    paths = [stem.with_name(stem.name + "-scaling.png")]
-    fig.savefig(paths[0], dpi=100)
+    if scaling:
+        series: dict[str, list[dict]] = {}
+        for r in scaling:
+            series.setdefault(f"{r['model']} {r['graph']} x{r['ranks']}", []).append(r)
+        fig = Figure(figsize=(14, 4.5), layout="constrained")
+        axes = fig.subplots(1, 3)
+        panels = (("epoch time (s)", lambda r: r["epoch_time_s"]), ("MiB sent per epoch (symlog)", lambda r: r["bytes_per_epoch"] / MiB),
+                  ("peak RSS per rank above baseline (MiB)", lambda r: r.get("memory_above_baseline_bytes", float("nan")) / MiB))
+        ps = sorted({r["p"] for r in scaling}, reverse=True)
+        for ax, (label, value) in zip(axes, panels):
+            for name, runs in series.items():
+                by_p = {r["p"]: value(r) for r in runs}
+                ax.plot(range(len(ps)), [by_p.get(p, float("nan")) for p in ps], marker="o", label=name)
+            ax.set_xticks(range(len(ps)), [f"{p:g}" for p in ps])
+            ax.set_xlabel("p")
+            ax.set_title(label)
+        axes[1].set_yscale("symlog", linthresh=0.1)
+        axes[1].set_ylim(bottom=0)
+        axes[0].legend(fontsize="small")
+        paths.append(stem.with_name(stem.name + "-scaling.png"))
+        fig.savefig(paths[-1], dpi=100)
     accuracy = [r for r in results if r["group"] == "accuracy"]
     if accuracy:
         fig = Figure(figsize=(5, 3.5), layout="constrained")
@@ -438,7 +444,7 @@ def figures(document: dict, stem: Path) -> list[Path]:
         low = min(r["test_score"] for r in accuracy)
         ax.set_ylim(max(0.0, low - 0.1), 1.0)
         paths.append(stem.with_name(stem.name + "-accuracy.png"))
-        fig.savefig(paths[1], dpi=100)
+        fig.savefig(paths[-1], dpi=100)
     return paths
 
 
@@ -484,10 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="partition sets and run directories (default: <tmp>/bnsgcn-suite-<preset>, reused)")
     parser.add_argument("--only", action="append", choices=("baseline", "scaling", "reference", "accuracy"), help="run only this group (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the tables of a saved result and exit")
+    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figures, and exit")
     args = parser.parse_args(argv)
     if args.render:
-        print(render(json.loads(args.render.read_text())))
+        document = json.loads(args.render.read_text())
+        print(render(document))
+        for path in figures(document, args.render.with_suffix("")):
+            print(f"wrote {path}", file=sys.stderr)
         return 0
     preset = PRESETS[args.preset]
     work = args.work or Path(tempfile.gettempdir()) / f"bnsgcn-suite-{preset.name}"

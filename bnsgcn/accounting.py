@@ -14,6 +14,7 @@ import socket
 import time
 from contextlib import contextmanager
 
+import psutil
 import torch
 
 from .comm import Comm
@@ -95,7 +96,12 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, partition_bytes: int) -> dict:
+def resident_bytes() -> int:
+    """Resident set size of this process now."""
+    return psutil.Process().memory_info().rss
+
+
+def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, partition_bytes: int, baseline_rss_bytes: int) -> dict:
     """What a rank reports once, at the end of training."""
     return {
         "rank": comm.rank,
@@ -105,5 +111,6 @@ def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, partit
         "boundary_nodes": n_boundary,
         "edges": edges,
         "partition_bytes": partition_bytes,
+        "baseline_rss_bytes": baseline_rss_bytes,
         **peak_memory(comm.device),
     }

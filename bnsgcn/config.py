@@ -117,6 +117,8 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"--weight-decay {c.weight_decay} must be 0 or positive")
     if c.timeout <= 0:
         raise UserError(f"--timeout {c.timeout} must be positive (seconds)")
+    if c.resume and c.out is None:
+        raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
     if c.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

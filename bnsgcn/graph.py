@@ -89,6 +89,9 @@ class ShardGraph:
 
     def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange, traffic: str = "features") -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
+        if p >= 1.0:  # every column: nothing to select or rescale
+            weight = torch.ones(self.full.n_cols, device=self.device) if self.full is not None else None
+            return EpochGraph(self.inner, self.boundary, self.full, weight, plan, exchange, traffic)
         keep = keep.to(self.device)
         scale = 1.0 / p if p > 0 else 1.0
         boundary = self.boundary.select_columns(keep)

@@ -45,17 +45,25 @@ BALANCE = {
     "time_exchange": ("exchange time", "s"),
     "time_idle": ("idle time", "s"),
 }
-# Where an epoch's time goes, in stacking order. Exchange times are measured inside the
-# forward and backward passes, so compute = pass - exchange; "other" is what epoch_time
-# holds beyond the measured parts (loss, optimizer step); idle is waited after the epoch.
-TIME_SPLIT = ("sampling", "compute_forward", "exchange_forward", "compute_backward", "exchange_backward", "reduction", "evaluation", "other", "idle")
+# Where an epoch's time goes, in stacking order. Feature and gradient exchange times are
+# measured inside the forward and backward passes, so compute = pass - exchange; "other"
+# is what epoch_time holds beyond the measured parts (loss, optimizer step); idle is
+# waited after the epoch.
+TIME_SPLIT = (
+    "sampling", "exchange_selections", "compute_forward", "exchange_forward", "compute_backward", "exchange_backward",
+    "reduction", "evaluation", "other", "idle",
+)
+# parts of the epoch measured one after the other (reports written before selections were
+# timed apart lack that column: it counts as 0 there)
+_SEQUENTIAL = ("sampling", "exchange_selections", "forward", "backward", "reduction", "evaluation")
 
 
 def time_split(means: dict[str, float]) -> dict[str, float]:
     """Seconds per epoch of each part of :data:`TIME_SPLIT` from a rank's per-epoch means."""
-    measured = sum(means[f"time_{t}"] for t in ("sampling", "forward", "backward", "reduction", "evaluation"))
+    measured = sum(means.get(f"time_{t}", 0.0) for t in _SEQUENTIAL)
     return {
         "sampling": means["time_sampling"],
+        "exchange_selections": means.get("time_exchange_selections", 0.0),
         "compute_forward": max(means["time_forward"] - means["time_exchange_forward"], 0.0),
         "exchange_forward": means["time_exchange_forward"],
         "compute_backward": max(means["time_backward"] - means["time_exchange_backward"], 0.0),
@@ -89,7 +97,7 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
         rank["bytes_received"] = sum(v for k, v in means.items() if k.startswith("received_"))
         rank["epoch_time"] = means["epoch_time"]
         rank["time_sampling"] = means["time_sampling"]
-        rank["time_exchange"] = means["time_exchange_forward"] + means["time_exchange_backward"]
+        rank["time_exchange"] = sum(means.get(f"time_exchange_{d}", 0.0) for d in ("selections", "forward", "backward"))
         rank["time_idle"] = means["time_idle"]
         rank["saved_activation_bytes"] = means["saved_activation_bytes"]
         ranks.append(rank)

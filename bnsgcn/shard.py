@@ -147,14 +147,27 @@ def load_shard(parts_dir: Path, part: int, num_ranks: int, verify: bool = False)
         send_nodes=_tensor(arrays["send_nodes"], torch.int64),
         send_counts=np.diff(arrays["send_offsets"]).tolist(),
     )
+    # The loaders check the dataset; these catch a partition set edited or damaged since
+    # (sizes unchanged, so only --verify's checksums would notice), naming file and node.
+    part_dir = Path(parts_dir) / arrays.manifest["partitions"][part]["dir"]
     features = _tensor(arrays["features"], torch.float32)
-    if not torch.isfinite(features).all():
-        raise UserError(f"partition {part} of {parts_dir} has NaN or infinite features; clean the dataset's features and re-partition")
+    bad_rows = ~torch.isfinite(features).all(dim=1)
+    if bad_rows.any():
+        node = int(arrays["inner_nodes"][int(bad_rows.nonzero()[0])])
+        raise UserError(
+            f"{part_dir / 'features.npy'} holds NaN or infinite values (first at node {node}); "
+            "clean the dataset's features and re-partition"
+        )
     num_classes = int(arrays.manifest["dataset"]["num_classes"])
     label_tensor = _tensor(labels, torch.float32 if multilabel else torch.int64)
-    if not multilabel and n_inner and (label_tensor.min() < 0 or label_tensor.max() >= num_classes):
+    high, allowed = (1, "0 or 1") if multilabel else (num_classes - 1, f"in [0, {num_classes})")
+    bad_rows = (label_tensor < 0) | (label_tensor > high)
+    if multilabel:
+        bad_rows = bad_rows.any(dim=1)
+    if bad_rows.any():
+        node = int(arrays["inner_nodes"][int(bad_rows.nonzero()[0])])
         raise UserError(
-            f"partition {part} of {parts_dir} has labels outside [0, {num_classes}); "
+            f"{part_dir / 'labels.npy'} holds labels that are not {allowed} (first at node {node}); "
             "fix the dataset's labels (or its num_classes) and re-partition"
         )
     return Shard(

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import checkpoint, report
-from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, static_figures, tensor_bytes
+from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, resident_bytes, static_figures, tensor_bytes
 from .comm import Comm, init_from_env
 from .config import TrainConfig
 from .errors import UserError
@@ -149,6 +149,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
+    baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
     topo = shard.topology
     log.info("partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s)", comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend)
@@ -231,7 +232,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     progress.close()
 
     partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, eval_inputs.x_agg, train_inputs.x_agg)
-    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes))
+    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes, baseline_rss))
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best["val_score"], "best_epoch": best["epoch"], "test_score": best["test_score"], "run_dir": str(run_dir)}
     if comm.rank == 0:
         epochs_run = config.epochs - start_epoch

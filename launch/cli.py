@@ -28,7 +28,7 @@ from bnsgcn.errors import UserError
 from .discover import DEFAULT_SEARCH_ROOT, PartitionSet, check_world_size, choose_partition_set
 from .environment import RankEnvironment, detect_rank_environment, threads_per_rank
 from .network import DEFAULT_MASTER_PORT, check_port_number, free_port, port_in_use
-from .rank import report_errors, train, training_parser
+from .rank import LAUNCHER_PID_VARIABLE, report_errors, train, training_parser
 from .supervisor import Child, supervise
 
 PROG = "bnsgcn-train"
@@ -155,6 +155,7 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",  # forward output as it happens
         "PYTHONPATH": python_path,
+        LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
     }
     first = args.node_rank * local
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"

@@ -19,8 +19,10 @@ Either way the last stderr line names the problem, which is what the supervisor 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -30,6 +32,9 @@ from bnsgcn.errors import UserError
 
 # Exit status of a rank whose collective failed because of another rank (see lost_peers).
 LOST_PEERS_STATUS = 4
+# Set by the local supervisor (launch.cli): the pid of the launcher that started this rank.
+LAUNCHER_PID_VARIABLE = "BNSGCN_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def training_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -103,7 +108,20 @@ def rank_from_environment() -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def die_with_launcher() -> None:
+    """On Linux, have the kernel SIGKILL this rank as soon as the launcher that started it
+    dies, even by SIGKILL (which leaves it no chance to stop its ranks): a rank must not
+    go on training, and writing the run directory, for a job that is gone."""
+    launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before the request above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     args = training_parser("python -m launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
     return report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug)
 

@@ -2,9 +2,9 @@
 
 Every entry runs ``bnsgcn-partition`` or ``bnsgcn-train`` as a subprocess (``python -m
 partition.cli`` / ``python -m launch.cli``) and checks what the user sees: exit status 2,
-a last stderr line ``error: ...`` with the entry's key words, no traceback (one entry
-checks that ``--debug`` adds it), and that earlier good outputs (a partition set, a run
-directory) keep every file byte for byte.
+a last stderr line ``error: ...`` with the entry's key words, no traceback (two entries
+check that ``--debug`` adds it), and that earlier good outputs (a partition set, a run
+directory) keep every file byte for byte (a run's ``log.txt`` may only grow).
 
 Small graphs and two-epoch runs keep the module fast; the only real training run is the
 module fixture that proves the good partition set trains.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,7 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from .distributed import SHARED_DATA, partition, random_graph
+from bnsgcn.errors import UserError
+from bnsgcn.shard import load_shard
+
+from .distributed import partition, random_graph
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PARTITION = [sys.executable, "-m", "partition.cli"]
@@ -125,13 +129,14 @@ def train_on(parts_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--procs", "2", "--parts-dir", str(parts_dir), "--out", str(run_dir), *SMALL_RUN, *extra]
 
 
-def expect_train_error(cwd: Path, good_set: Path, good_run: Path, args: list[str], *keywords: str) -> Outcome:
-    """Run bnsgcn-train; check the error and that the good set and run are untouched."""
-    before_set, before_run = snapshot(good_set), snapshot(good_run)
+def expect_train_error(cwd: Path, parts_dir: Path, run_dir: Path, args: list[str], *keywords: str) -> Outcome:
+    """Run bnsgcn-train; check the error, and that the partition set and the earlier run
+    directory it was given are left as they were."""
+    before_set, before_run = snapshot(parts_dir), snapshot(run_dir)
     outcome = run_cli(TRAIN, args, cwd)
     assert_user_error(outcome, *keywords)
-    assert_kept(before_set, good_set)
-    assert_kept(before_run, good_run)
+    assert_kept(before_set, parts_dir)
+    assert_kept(before_run, run_dir)
     return outcome
 
 
@@ -222,6 +227,12 @@ def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):
     expect_train_error(tmp_path, good_set, good_run, train_on(good_set, good_run, *flags), *keywords)
 
 
+def test_train_resume_without_out(tmp_path, good_set, good_run):
+    args = ["--procs", "2", "--parts-dir", str(good_set), *SMALL_RUN, "--resume"]
+    expect_train_error(tmp_path, good_set, good_run, args, "--resume continues the run in --out", "pass --out RUN_DIR")
+    assert not (tmp_path / "runs").exists()  # no new run directory either
+
+
 def test_train_debug_shows_the_traceback(tmp_path, good_set, good_run):
     outcome = run_cli(TRAIN, train_on(good_set, good_run, "--p", "1.5", "--debug"), tmp_path)
     assert outcome.code == 2
@@ -288,16 +299,6 @@ def test_train_truncated_array_is_caught_by_the_size_check(tmp_path, parts, good
     )
 
 
-def test_train_truncated_array_with_debug_shows_the_rank_traceback(tmp_path, parts, good_run):
-    features = parts / "part-1" / "features.npy"
-    with open(features, "r+b") as handle:
-        handle.truncate(features.stat().st_size - 64)
-    outcome = run_cli(TRAIN, train_on(parts, good_run, "--debug"), tmp_path)
-    assert outcome.code == 2
-    assert "[rank 1] Traceback (most recent call last)" in outcome.stderr
-    assert "truncated or corrupt" in outcome.last_line
-
-
 def test_train_flipped_bytes_are_caught_with_verify(tmp_path, parts, good_run):
     indices = parts / "part-0" / "adj_indices.npy"
     data = bytearray(indices.read_bytes())
@@ -317,23 +318,42 @@ def edit_array(path: Path, edit) -> None:
 
 
 def test_train_labels_out_of_range_in_an_edited_set(tmp_path, parts, good_run):
-    edit_array(parts / "part-0" / "labels.npy", lambda labels: labels.__setitem__(3, NUM_CLASSES + 4))
-    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 0 failed", f"partition 0 of {parts}", f"labels outside [0, {NUM_CLASSES})", "re-partition")
+    labels = parts / "part-0" / "labels.npy"
+    edit_array(labels, lambda array: array.__setitem__(3, NUM_CLASSES + 4))
+    node = int(np.load(parts / "part-0" / "inner_nodes.npy")[3])
+    expect_train_error(
+        tmp_path, parts, good_run, train_on(parts, good_run),
+        "rank 0 failed", str(labels), f"labels that are not in [0, {NUM_CLASSES}) (first at node {node})", "re-partition",
+    )
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, -np.inf])
-def test_train_nan_or_infinite_features_in_an_edited_set(tmp_path, parts, good_run, bad_value):
-    edit_array(parts / "part-1" / "features.npy", lambda features: features.__setitem__((2, 1), bad_value))
-    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 1 failed", f"partition 1 of {parts}", "NaN or infinite features", "re-partition")
+def test_train_nan_features_in_an_edited_set(tmp_path, parts, good_run):
+    features = parts / "part-1" / "features.npy"
+    edit_array(features, lambda array: array.__setitem__((2, 1), np.nan))
+    node = int(np.load(parts / "part-1" / "inner_nodes.npy")[2])
+    expect_train_error(
+        tmp_path, parts, good_run, train_on(parts, good_run),
+        "rank 1 failed", str(features), f"NaN or infinite values (first at node {node})", "re-partition",
+    )
+
+
+def test_multilabel_targets_outside_0_1_in_an_edited_set(tmp_path):
+    # In-process: the same check as above, for multi-label sets (a 0/1 matrix per node).
+    parts = partition(random_graph(num_nodes=40, avg_degree=4, seed=2, multilabel=True), 2, tmp_path / "set")
+    labels = parts / "part-1" / "labels.npy"
+    edit_array(labels, lambda array: array.__setitem__((4, 2), 2))
+    node = int(np.load(parts / "part-1" / "inner_nodes.npy")[4])
+    with pytest.raises(UserError, match=re.escape(f"{labels} holds labels that are not 0 or 1 (first at node {node})")):
+        load_shard(parts, 1, 2)
+    load_shard(parts, 0, 2)  # the other partition is fine
 
 
 # --- bnsgcn-train: output directories ----------------------------------------------------
 
 
 def test_train_unwritable_output_dir(tmp_path, good_set, good_run, unwritable_dir):
-    (tmp_path / "a-file").write_text("not a directory\n")
-    for out in (unwritable_dir / "run", tmp_path / "a-file" / "run"):
-        expect_train_error(tmp_path, good_set, good_run, train_on(good_set, out), f"cannot write {out}", "pass a writable --out")
+    out = unwritable_dir / "run"
+    expect_train_error(tmp_path, good_set, good_run, train_on(good_set, out), f"cannot write {out}", "pass a writable --out")
 
 
 def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritable_dir):

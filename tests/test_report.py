@@ -43,7 +43,8 @@ def _hand_report(p: float = 1.0, scale: float = 1.0) -> dict:
         {"sampled_boundary": 150 * p, "epoch_time": 2.0, "time_sampling": 0.1, "time_forward": 0.8, "time_exchange_forward": 0.3,
          "time_backward": 0.6, "time_exchange_backward": 0.2, "time_reduction": 0.1, "time_evaluation": 0.2, "time_idle": 0.05,
          "sent_features": 4000 * p, "sent_gradients": 2000 * p, "sent_reduction": 100, "received_features": 6000 * p, "saved_activation_bytes": 5 * MiB},
-        {"sampled_boundary": 100 * p, "epoch_time": 1.5, "time_sampling": 0.1, "time_forward": 0.5, "time_backward": 0.5, "time_idle": 0.5,
+        {"sampled_boundary": 100 * p, "epoch_time": 1.5, "time_sampling": 0.1, "time_exchange_selections": 0.2, "time_forward": 0.5,
+         "time_backward": 0.5, "time_exchange_backward": 0.1, "time_idle": 0.5,
          "sent_features": 1000 * p, "received_features": 4000 * p, "saved_activation_bytes": 3 * MiB},
         {"sampled_boundary": 30 * p, "epoch_time": 1.0, "time_forward": 0.4, "time_backward": 0.4, "time_idle": 1.0,
          "sent_selections": 30, "received_features": 1200 * p, "saved_activation_bytes": 1 * MiB},
@@ -73,6 +74,10 @@ def test_build_computes_spread_straggler_ratios_and_time_split():
     split = ranks[0]["time_split"]
     assert split["compute_forward"] == pytest.approx(0.5) and split["compute_backward"] == pytest.approx(0.4)
     assert split["other"] == pytest.approx(2.0 - (0.1 + 0.8 + 0.6 + 0.1 + 0.2))
+    split = ranks[1]["time_split"]  # the selections' exchange is neither sampling nor compute
+    assert (split["sampling"], split["exchange_selections"], split["compute_backward"]) == pytest.approx((0.1, 0.2, 0.4))
+    assert split["other"] == pytest.approx(1.5 - (0.1 + 0.2 + 0.5 + 0.5))
+    assert [r["time_exchange"] for r in ranks] == pytest.approx([0.5, 0.3, 0.0])
     for rank in ranks:  # the parts add up to the epoch plus the wait after it
         assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
     assert set(summary) == set(report.BALANCE)
@@ -179,8 +184,8 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
         assert 0 < e["sampled_boundary"] < boundary[r]
         assert e["received_features"] == pytest.approx(e["sampled_boundary"] * width_forward * FLOAT)
         assert e["sent_gradients"] == pytest.approx(e["sampled_boundary"] * width_backward * FLOAT)
-        assert e["sent_selections"] == boundary[r]  # one byte per boundary node to its owner
-        assert e["received_selections"] == requested[r]
+        assert e["sent_selections"] == -(-boundary[r] // 8)  # one bit per boundary node to its owner
+        assert e["received_selections"] == -(-requested[r] // 8)
 
     table = report.render_table(full)
     assert "rank 1" in table and "straggler" in table and f"{boundary[0]}" in table
