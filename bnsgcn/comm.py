@@ -152,9 +152,13 @@ def init_from_env(device: str, timeout: float) -> Comm:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     else:
         torch_device, backend = torch.device("cpu"), "gloo"
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+    # torchrun hands a restarted attempt the same store, still holding the dead attempt's
+    # peer addresses: a prefix per attempt keeps the attempts apart.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=dist.PrefixStore(f"bnsgcn/attempt-{attempt}/", store),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout),

@@ -69,13 +69,13 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
     run_dir = config.out
     if comm.rank == 0:
         if run_dir is None:
-            if config.resume:
-                error = "--resume needs --out RUN_DIR naming the run to continue"
             run_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
             suffix = 1
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
+        if not config.resume and checkpoint.has_checkpoints(run_dir):
+            error = f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or a new --out"
         folders = [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
         for folder in folders:
             try:
