@@ -224,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    compile_times = first_call_times(args.threads)
     adj = random_graph(args.nodes, args.edges, args.seed)
     bandwidth = copy_bandwidth(args.repeat)
     spmm_result = bench_spmm(adj, args.dim, args.repeat)
@@ -232,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     spmm_result["ours_backward_of_roofline"] = spmm_result["ours_backward_GBps"] * 1e9 / bandwidth
     gat = {b: bench_gat(adj, args.heads, args.head_dim, args.repeat, b) for b in ("numba", "torch")}
     select = {b: bench_select_columns(adj, args.repeat, b) for b in ("numba", "torch")}
+    compile_times = first_call_times(args.threads)
     result = {
         "date": date.today().isoformat(),
         "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),

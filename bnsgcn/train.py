@@ -74,8 +74,6 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        if not config.resume and checkpoint.has_checkpoints(run_dir):
-            error = f"{run_dir} holds checkpoints of an earlier run; pass --resume to continue it or a new --out"
         folders = [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
         for folder in folders:
             try:
