@@ -49,8 +49,8 @@ def test_sampled_mean_aggregation_is_unbiased(tmp_path):
     boundary_part = (exact - spmm(sg.inner, x_inner)).abs().mean()
     assert (mean - exact).abs().mean() < 0.05 * boundary_part
     # and a biased estimate (no 1/p scaling) would be far off: the check can fail
-    g = sg.epoch(keep, 1.0, plan, exchange=None)
-    unscaled = spmm(g.inner, x_inner) + spmm(g.boundary, x_boundary[keep])
+    g = sg.epoch(keep, p, plan, exchange=None)
+    unscaled = spmm(g.inner, x_inner) + p * spmm(g.boundary, x_boundary[keep])  # undo the 1/p
     assert (unscaled - exact).abs().mean() > 0.3 * boundary_part
 
 
