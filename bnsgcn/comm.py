@@ -115,7 +115,10 @@ class Comm:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the job after a successful run: wait for every rank, then tear the groups
+        down, so that no rank closes its connections while a peer still uses them."""
         if dist.is_initialized():
+            self.barrier()
             dist.destroy_process_group()
 
 

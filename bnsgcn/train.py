@@ -57,10 +57,12 @@ def run(config: TrainConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     comm = init_from_env(config.device, config.timeout)
-    try:
-        return _train(config, comm)
-    finally:
-        comm.close()
+    # After a failure the groups are left as they are: a peer may be dead or hung, and
+    # tearing down a group with a collective in flight can block or abort the process,
+    # which then hides the real error. The process ends right after anyway.
+    summary = _train(config, comm)
+    comm.close()
+    return summary
 
 
 def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:

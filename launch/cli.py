@@ -28,7 +28,7 @@ from bnsgcn.errors import UserError
 from .discover import DEFAULT_SEARCH_ROOT, PartitionSet, check_world_size, choose_partition_set
 from .environment import RankEnvironment, detect_rank_environment, threads_per_rank
 from .network import DEFAULT_MASTER_PORT, check_port_number, free_port, port_in_use
-from .rank import LAUNCHER_PID_VARIABLE, report_errors, train, training_parser
+from .rank import LAUNCHER_PID_VARIABLE, exit_rank, report_errors, train, training_parser
 from .supervisor import Child, supervise
 
 PROG = "bnsgcn-train"
@@ -202,7 +202,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ranks = detect_rank_environment(os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes)
     if ranks is None:
         return supervise(prepare_local_ranks(args, argv))
-    return report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug)
+    # This process is a rank (started by torchrun or srun).
+    exit_rank(report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

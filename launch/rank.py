@@ -26,6 +26,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, add_arguments, from_args
 from bnsgcn.errors import UserError
@@ -120,11 +121,24 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(argv: list[str] | None = None) -> int:
+def exit_rank(status: int) -> NoReturn:
+    """End a rank process with ``status`` now, skipping the interpreter's teardown.
+
+    Everything a rank writes is complete by now (metrics closed, checkpoints renamed into
+    place); what teardown would add is destroying c10d's and gloo's background threads
+    in arbitrary order, which can abort the process ("terminate called without an active
+    exception", SIGABRT) and turn a finished or cleanly failed rank into a crash.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
     die_with_launcher()
     args = training_parser("python -m launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
-    return report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug)
+    exit_rank(report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
