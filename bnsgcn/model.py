@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .config import TrainConfig
 from .graph import EpochGraph
+from .kernels import dropout
 from .layers import GATConv, GCNConv, SAGEConv
 
 
@@ -89,9 +90,9 @@ class GNN(nn.Module):
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
         h = x
         for i, layer in enumerate(self.layers):
-            h = F.dropout(h, self.dropout, self.training)
+            h = dropout(h, self.dropout, self.training)
             if i == 0 and x_agg is not None:
-                h = layer(h, g, F.dropout(x_agg, self.dropout, self.training))
+                h = layer(h, g, dropout(x_agg, self.dropout, self.training))
             else:
                 h = layer(h, g)
             if i < len(self.norms):

@@ -6,15 +6,24 @@ import pytest
 import torch
 
 from bnsgcn.errors import UserError
-from bnsgcn.kernels import ENV_VAR, Adjacency, gat_aggregate, kernel_backend, spmm
+from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, kernel_backend, numba_backend, spmm
 
-BACKENDS = ("numba", "torch")
+# numba's kernels run serially for one thread or small inputs, in parallel otherwise: both.
+BACKENDS = ("numba-serial", "numba-parallel", "torch")
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setenv(ENV_VAR, request.param)
-    return request.param
+    name = request.param
+    monkeypatch.setenv(ENV_VAR, name.split("-")[0])
+    if name == "numba-serial":
+        monkeypatch.setattr(numba_backend, "_SERIAL_WORK", float("inf"))
+    elif name == "numba-parallel":
+        monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
+    return name
 
 
 def random_pattern(n_rows: int, n_cols: int, density: float, seed: int) -> torch.Tensor:
@@ -190,12 +199,6 @@ def test_with_values_shares_transpose_and_uses_new_values(backend):
     torch.testing.assert_close(spmm(adj.with_values(None), x), (dense != 0).double() @ x)
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_row_sums(weighted):
-    dense, adj = make_case(15, 22, weighted, torch.float32)
-    torch.testing.assert_close(adj.row_sums(), dense.sum(1))
-
-
 @pytest.mark.parametrize(
     "indptr, indices, n_cols, message",
     [
@@ -296,3 +299,43 @@ def test_gat_rejects_mismatched_shapes():
     x, s_src, s_dst, _ = gat_inputs(10, 12, 2, 4, torch.float32)
     with pytest.raises(UserError, match="score_src"):
         gat_aggregate(adj, x, s_src[:, :1], s_dst)
+
+
+# --- dropout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.6])
+def test_dropout_keeps_each_element_with_probability_one_minus_p(p):
+    torch.manual_seed(0)
+    x = torch.ones(400, 500)
+    y = dropout(x, p, training=True)
+    kept = y != 0
+    # 200,000 draws: the kept fraction is within 5 standard deviations of 1 - p.
+    tolerance = 5 * (p * (1 - p) / x.numel()) ** 0.5
+    assert abs(kept.float().mean().item() - (1 - p)) < tolerance
+    torch.testing.assert_close(y[kept], torch.full((int(kept.sum()),), 1 / (1 - p)))
+    # Neighbouring elements are independent (the 16-bit fields of one word are not tied).
+    pairs = kept.flatten()[:-1] & kept.flatten()[1:]
+    assert abs(pairs.float().mean().item() - (1 - p) ** 2) < 2 * tolerance
+
+
+def test_dropout_gradient_is_the_mask_scaled():
+    torch.manual_seed(1)
+    x = torch.randn(50, 30, dtype=torch.float64, requires_grad=True)
+    y = dropout(x, 0.5, training=True)
+    upstream = torch.randn_like(y)
+    (grad,) = torch.autograd.grad(y, x, upstream)
+    mask = (y != 0).double() * 2.0
+    torch.testing.assert_close(y, x.detach() * mask)
+    torch.testing.assert_close(grad, upstream * mask)
+
+
+def test_dropout_is_seeded_and_off_outside_training():
+    x = torch.randn(100, 20)
+    torch.manual_seed(3)
+    first = dropout(x, 0.5, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(first, dropout(x, 0.5, training=True))
+    assert not torch.equal(first, dropout(x, 0.5, training=True))
+    assert dropout(x, 0.5, training=False) is x
+    assert dropout(x, 0.0, training=True) is x

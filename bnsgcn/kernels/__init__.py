@@ -13,11 +13,14 @@ every call.
 * ``torch``: CPU tensors use the pure-torch kernels too (a tested fallback).
 
 CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse``).
+
+:func:`dropout` is here too: on CPU it draws its mask far faster than torch's dropout.
 """
 
 from .adjacency import Adjacency
 from .backend import ENV_VAR, kernel_backend
+from .dropout import dropout
 from .gat import gat_aggregate
 from .spmm import spmm
 
-__all__ = ["Adjacency", "spmm", "gat_aggregate", "kernel_backend", "ENV_VAR"]
+__all__ = ["Adjacency", "spmm", "gat_aggregate", "dropout", "kernel_backend", "ENV_VAR"]

@@ -119,12 +119,6 @@ class Adjacency:
             raise UserError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
         return kernel_backend(self.device).select_columns(self, keep.to(self.device))
 
-    def row_sums(self) -> Tensor:
-        """Float ``[n_rows]``: sum of the values of each row (entry count if ``values`` is None)."""
-        if self.values is None:
-            return self.indptr.diff().to(torch.get_default_dtype())
-        return torch.segment_reduce(self.values, "sum", offsets=self.indptr, axis=0)
-
     def to(self, device: torch.device | str) -> Adjacency:
         """Copy of every tensor on ``device``."""
 

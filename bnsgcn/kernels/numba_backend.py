@@ -12,10 +12,13 @@ With 4 KiB pages nearly every gathered row also misses the TLB; starting the pro
 roughly halves the time of a gather-bound kernel (see docs/benchmarks.md).
 
 Compiled specialisations are few: float32 / float64 times the index dtype (int32 unless a
-graph has more than 2^31 - 1 nodes or entries), cached on disk (``cache=True``).
+graph has more than 2^31 - 1 nodes or entries), cached on disk (``cache=True``). Each kernel
+is compiled twice, parallel and serial (see :class:`_RowParallel`).
 """
 
 from __future__ import annotations
+
+import types as pytypes
 
 import numba
 import numpy as np
@@ -33,6 +36,38 @@ _FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 _BLOCKS_PER_THREAD = 16
 # Entries ahead whose gathered feature row is prefetched (hides DRAM latency of random rows).
 _PREFETCH_DISTANCE = 8
+# Below this much work (entries x row width) a call runs serially: waking threads costs more.
+_SERIAL_WORK = 1 << 18
+
+
+class _RowParallel:
+    """A row-parallel kernel compiled twice: with ``prange`` over threads, and serially.
+
+    A rank given one thread, or a call too small to share, runs the serial one and never
+    wakes numba's OpenMP team, whose threads spin after each parallel region and then
+    starve the other ranks of an oversubscribed machine (four ranks on two cores ran Cora
+    epochs 4x slower). Results are the same either way: each output row has one writer.
+    The last argument of the kernel is its block count, supplied here.
+    """
+
+    def __init__(self, kernel, options: dict):
+        self.parallel = njit(parallel=True, cache=True, **options)(kernel)
+        # A renamed copy: numba's on-disk cache is keyed by name, not by compile flags.
+        serial = pytypes.FunctionType(kernel.__code__, kernel.__globals__, kernel.__name__ + "_serial", kernel.__defaults__, kernel.__closure__)
+        serial.__qualname__ = kernel.__qualname__ + "_serial"
+        self.serial = njit(cache=True, **options)(serial)
+
+    def __call__(self, *args, work: int) -> None:
+        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if threads == 1 or work < _SERIAL_WORK:
+            self.serial(*args, 1)
+        else:
+            numba.set_num_threads(threads)
+            self.parallel(*args, threads * _BLOCKS_PER_THREAD)
+
+
+def _row_parallel(**options):
+    return lambda kernel: _RowParallel(kernel, options)
 
 
 @njit(cache=True, inline="always")
@@ -74,7 +109,7 @@ def _prefetch_row(matrix, row, row_length):
         _prefetch(matrix, start + k)
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@_row_parallel(fastmath=_FASTMATH)
 def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
     nnz, d = indices.shape[0], x.shape[1]
     one = x.dtype.type(1)
@@ -92,7 +127,7 @@ def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
                     out_row[k] += a * x_row[k]
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@_row_parallel(fastmath=_FASTMATH)
 def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, weighted, slope, alpha, out, n_blocks):
     nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
     one, slope = x.dtype.type(1), x.dtype.type(slope)
@@ -135,7 +170,7 @@ def _gat_forward_kernel(indptr, indices, x, score_src, score_dst, col_weight, we
                         out_row[k] += a * x_row[k]
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@_row_parallel(fastmath=_FASTMATH)
 def _gat_edge_grad_kernel(indptr, indices, x, score_src, score_dst, alpha, dy, slope, d_score, d_dst, n_blocks):
     """Per row v: SDDMM g = <dy[v], x[u]>, softmax and LeakyReLU backward into ``d_score``."""
     nnz, heads, dim = indices.shape[0], x.shape[1], x.shape[2]
@@ -170,7 +205,7 @@ def _gat_edge_grad_kernel(indptr, indices, x, score_src, score_dst, alpha, dy, s
                     d_dst[v, h] += de
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@_row_parallel(fastmath=_FASTMATH)
 def _gat_column_grad_kernel(t_indptr, t_indices, t_edge, alpha, d_score, dy, need_dx, dx, d_src, n_blocks):
     """Per column u (a row of the transpose): d score_src[u] and dx[u] = sum_v alpha_vu dy[v]."""
     nnz, heads, dim = t_indices.shape[0], dy.shape[1], dy.shape[2]
@@ -198,7 +233,7 @@ def _gat_column_grad_kernel(t_indptr, t_indices, t_edge, alpha, d_score, dy, nee
                             dx_row[k] += a * dy_row[k]
 
 
-@njit(parallel=True, cache=True)
+@_row_parallel()
 def _count_kept_kernel(indptr, indices, keep, counts, n_blocks):
     for block in prange(n_blocks):
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
@@ -208,7 +243,7 @@ def _count_kept_kernel(indptr, indices, keep, counts, n_blocks):
             counts[v] = count
 
 
-@njit(parallel=True, cache=True)
+@_row_parallel()
 def _filter_rows_kernel(indptr, indices, values, weighted, keep, new_column, new_indptr, new_indices, new_values, new_entry, n_blocks):
     """Copy the kept entries of each row; ``new_entry[j]`` = new id of kept entry ``j``."""
     for block in prange(n_blocks):
@@ -224,7 +259,7 @@ def _filter_rows_kernel(indptr, indices, values, weighted, keep, new_column, new
                     position += 1
 
 
-@njit(parallel=True, cache=True)
+@_row_parallel()
 def _filter_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept_columns, new_entry, new_t_indptr, new_t_indices, new_t_edge, new_t_values, n_blocks):
     """Copy the transposed rows (columns) that are kept, pointing t_edge at the new entry ids."""
     for block in prange(n_blocks):
@@ -237,13 +272,6 @@ def _filter_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept
                 if weighted:
                     new_t_values[position] = t_values[t]
                 position += 1
-
-
-def _n_blocks() -> int:
-    """Match numba's thread count to torch's (a rank given 1 thread uses 1) and size the blocks."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads * _BLOCKS_PER_THREAD
 
 
 def _array(t: Tensor) -> np.ndarray:
@@ -266,10 +294,10 @@ def _offsets(counts: Tensor) -> Tensor:
 
 def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
     """:meth:`Adjacency.select_columns` in three row-parallel passes: count, copy rows, copy columns."""
-    n_blocks = _n_blocks()
+    work = adj.nnz + adj.n_rows
     keep_array = _array(keep)
     counts = torch.empty(adj.n_rows, dtype=torch.int64)
-    _count_kept_kernel(_array(adj.indptr), _array(adj.indices), keep_array, counts.numpy(), n_blocks)
+    _count_kept_kernel(_array(adj.indptr), _array(adj.indices), keep_array, counts.numpy(), work=work)
     indptr = _offsets(counts)
     nnz = int(indptr[-1])
     kept_columns = torch.nonzero(keep).flatten()
@@ -288,12 +316,12 @@ def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
     _filter_rows_kernel(
         _array(adj.indptr), _array(adj.indices), _or_empty(adj.values, value_dtype), weighted, keep_array,
         _array(new_column), _array(indptr), indices.numpy(), _or_empty(values, value_dtype), new_entry.numpy(),
-        n_blocks,
+        work=work,
     )  # fmt: skip
     _filter_columns_kernel(
         _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype),
         weighted, _array(kept_columns), new_entry.numpy(), _array(t_indptr), t_indices.numpy(), t_edge.numpy(),
-        _or_empty(t_values, value_dtype), n_blocks,
+        _or_empty(t_values, value_dtype), work=work,
     )  # fmt: skip
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
 
@@ -301,7 +329,7 @@ def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
 def _spmm_csr(indptr: Tensor, indices: Tensor, values: Tensor | None, x: Tensor, n_rows: int) -> Tensor:
     out = x.new_empty(n_rows, x.shape[1])
     values_array = _or_empty(values, x.dtype)
-    _spmm_kernel(_array(indptr), _array(indices), values_array, values is not None, _array(x), out.numpy(), _n_blocks())
+    _spmm_kernel(_array(indptr), _array(indices), values_array, values is not None, _array(x), out.numpy(), work=indices.numel() * x.shape[1])
     return out
 
 
@@ -333,7 +361,7 @@ def gat_forward(
         float(negative_slope),
         alpha.numpy(),
         out.numpy(),
-        _n_blocks(),
+        work=adj.nnz * x.shape[1] * x.shape[2],
     )
     return out, alpha
 
@@ -350,7 +378,7 @@ def gat_backward(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`."""
     heads, dim = x.shape[1], x.shape[2]
-    n_blocks = _n_blocks()
+    work = adj.nnz * heads * dim
     d_score = alpha.new_empty(adj.nnz, heads)
     d_dst = x.new_empty(adj.n_rows, heads)
     dy_array = _array(dy)
@@ -365,7 +393,7 @@ def gat_backward(
         float(negative_slope),
         d_score.numpy(),
         d_dst.numpy(),
-        n_blocks,
+        work=work,
     )
     d_src = x.new_empty(adj.n_cols, heads)
     dx = x.new_empty(adj.n_cols if need_dx else 0, heads, dim)
@@ -379,6 +407,6 @@ def gat_backward(
         need_dx,
         dx.numpy(),
         d_src.numpy(),
-        n_blocks,
+        work=work,
     )
     return (dx if need_dx else None), d_src, d_dst
