@@ -44,6 +44,10 @@ def _list(folder: Path) -> list[Path]:
     return sorted((p for p in folder.iterdir() if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
+def has_checkpoints(run_dir: Path) -> bool:
+    return bool(_list(checkpoint_dir(run_dir)))
+
+
 def load_latest(run_dir: Path, signature: dict) -> dict | None:
     """The newest checkpoint that loads, or None when there is none.
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+from .errors import UserError
 
 
 def setup_logging(rank: int, log_file: Path | None = None) -> logging.Logger:
@@ -35,13 +38,13 @@ class MetricsWriter:
     def __init__(self, paths: list[Path], keep_epochs: int = 0):
         self.handles = []
         for path in paths:
-            kept = []
-            if keep_epochs and path.is_file():
-                records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-                kept = [r for r in records if r.get("epoch", keep_epochs + 1) <= keep_epochs]
-            handle = open(path, "w")
-            handle.writelines(json.dumps(r) + "\n" for r in kept)
-            self.handles.append(handle)
+            kept = _records(path, keep_epochs) if keep_epochs and path.is_file() else []
+            # The kept lines go to a new file that replaces the old one whole: a run killed
+            # here again still has them.
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
+            self.handles.append(open(path, "a"))
 
     def write(self, record: dict) -> None:
         line = json.dumps(record) + "\n"
@@ -52,3 +55,20 @@ class MetricsWriter:
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
+
+
+def _records(path: Path, keep_epochs: int) -> list[dict]:
+    """The records of ``path`` up to epoch ``keep_epochs``. An unfinished last line (the
+    process was killed while writing it) is dropped; a bad line elsewhere is an error."""
+    lines = path.read_text().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: the torn last line
+                continue
+            raise UserError(f"{path} line {number} is not JSON; repair or remove the file to resume") from None
+    return [r for r in records if r.get("epoch", keep_epochs + 1) <= keep_epochs]

@@ -76,7 +76,9 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        folders = [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
+        if not config.resume and checkpoint.has_checkpoints(run_dir):
+            error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
+        folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -145,20 +147,20 @@ def _scores(counts: Tensor, multilabel: bool) -> dict[str, float]:
 
 
 def _train(config: TrainConfig, comm: Comm) -> dict:
-    run_dir = _resolve_run_dir(config, comm)
-    log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
     topo = shard.topology
-    log.info("partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s)", comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend)
-
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
     train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
     global_train = int(comm.all_reduce(torch.tensor([float(train_inputs.train_mask.sum())], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
+    # Only input that passed every check gets a run directory: a failed start leaves none.
+    run_dir = _resolve_run_dir(config, comm)
+    log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    log.info("partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s)", comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend)
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, from_args
 from bnsgcn.errors import UserError
@@ -147,7 +148,10 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
         "--parts-dir", str(partition_set.path.resolve()), "--device", device, "--threads", str(threads),
     ]
     python_path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    shared_env = os.environ | {
+    # Large tensors in transparent huge pages: the kernels gather random feature rows, and
+    # with 4 KiB pages nearly every row misses the TLB (see docs/benchmarks.md). A value
+    # the user exported wins.
+    shared_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
@@ -202,8 +206,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ranks = detect_rank_environment(os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes)
     if ranks is None:
         return supervise(prepare_local_ranks(args, argv))
-    # This process is a rank (started by torchrun or srun).
-    exit_rank(report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug))
+    return report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,5 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return report_errors(lambda: _run(args, argv), rank=None, debug=args.debug)
 
 
+def entry() -> NoReturn:
+    """The ``bnsgcn-train`` command: :func:`main`, then :func:`~launch.rank.exit_rank`, as
+    this process may have been a rank (under torchrun or srun)."""
+    exit_rank(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -365,3 +365,16 @@ def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritabl
         f"cannot write {run_dir / 'checkpoints'}", "pass a writable --out",
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # nothing trained, nothing written
+
+
+def test_train_fresh_run_over_an_earlier_runs_checkpoints(tmp_path, good_set, good_run):
+    # Without --resume a new run would mix its checkpoints with the earlier run's, and a
+    # later --resume could continue the wrong one.
+    expect_train_error(tmp_path, good_set, good_run, train_on(good_set, good_run), f"{good_run} holds the checkpoints of an earlier run", "pass --resume", "a new --out")
+
+
+def test_train_failed_start_leaves_no_run_directory(tmp_path, parts):
+    shutil.rmtree(parts / "part-1")
+    args = ["--procs", "2", "--parts-dir", str(parts), *SMALL_RUN]  # no --out: runs/<time> here
+    assert_user_error(run_cli(TRAIN, args, tmp_path), "part-1", "is missing")
+    assert not (tmp_path / "runs").exists()

@@ -28,7 +28,10 @@ import psutil
 import pytest
 import torch
 
-from .distributed import partition, random_graph
+from bnsgcn.errors import UserError
+from bnsgcn.log import MetricsWriter
+
+from .distributed import free_port, partition, random_graph
 from .test_errors import RANK_VARIABLES, REPO_ROOT, TRAIN, assert_kept, run_cli, snapshot
 
 EPOCHS = 12
@@ -229,6 +232,35 @@ def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
     assert_all_gone(processes, run_dir)
 
 
+def test_rank_killed_on_another_node_ends_both_nodes(tmp_path):
+    # Two launchers with --nnodes 2 (as on two machines): rank 3, on the second, is killed.
+    parts = partition(random_graph(num_nodes=160, avg_degree=5, seed=4), 4, tmp_path / "parts" / "graph-4")
+    run_dir, port = tmp_path / "run", str(free_port())
+    common = ["--procs", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--parts-dir", str(parts), "--out", str(run_dir)]
+    flags = [*FLAGS, "--epochs", "100000", "--checkpoint-every", "0"]
+    nodes = [start([*TRAIN, *common, "--node-rank", str(n), *flags], tmp_path, f"node{n}") for n in (0, 1)]
+    try:
+        wait_for(lambda: last_epoch(run_dir) >= 1, nodes[0], START_S, "first epoch in metrics.jsonl")
+        processes = descendants(nodes[0].pid) + descendants(nodes[1].pid)
+        rank_process(descendants(nodes[1].pid), 3).kill()
+        killed_at = time.monotonic()
+        for node in nodes:
+            node.wait(TIMEOUT_S + 30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            kill_job(node)
+    assert elapsed < TIMEOUT_S, f"the launchers took {elapsed:.1f} s to end the job"
+    assert nodes[1].returncode == 128 + signal.SIGKILL
+    assert stderr_of(tmp_path, "node1").strip().splitlines()[-1].startswith("error: rank 3 failed (killed by SIGKILL)")
+    # The first node's ranks lost their peer: a non-zero exit that says so, no traceback.
+    assert nodes[0].returncode == 4
+    node0 = stderr_of(tmp_path, "node0")
+    assert "communication with the other ranks failed" in node0.strip().splitlines()[-1], node0
+    assert "Traceback" not in node0
+    assert_all_gone(processes, run_dir)
+
+
 # --- kill, resume, compare ---------------------------------------------------------------
 
 
@@ -294,3 +326,26 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, parts, refe
     assert "resumed from epoch" in log, log
     assert_same_training(run_dir, reference_run)
     assert_all_gone(workers, run_dir)
+
+
+# --- resume bookkeeping --------------------------------------------------------------------
+
+
+def test_resumed_metrics_drop_a_torn_last_line_and_later_epochs(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"epoch": e, "loss": 1.0 / e}) for e in range(1, 5)]
+    path.write_text("\n".join(lines) + "\n" + '{"epoch": 5, "lo')  # killed while writing epoch 5
+    writer = MetricsWriter([path], keep_epochs=3)
+    writer.write({"epoch": 4, "loss": 0.5})
+    writer.close()
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resumed_metrics_refuse_a_corrupt_line_before_the_last(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"epoch": 1}\nnot json\n{"epoch": 2}\n')
+    before = path.read_bytes()
+    with pytest.raises(UserError, match="metrics.jsonl line 2 is not JSON; repair or remove the file"):
+        MetricsWriter([path], keep_epochs=2)
+    assert path.read_bytes() == before

@@ -458,3 +458,14 @@ def test_rank_mode_errors_carry_the_rank(tmp_path, monkeypatch, capsys, clean_en
     assert status == 2
     assert err.startswith("error: [rank 2] no partition set with 3 parts under parts/ (found: parts/two (2 parts))")
     assert trained == []
+
+
+def test_ranks_get_huge_pages_unless_the_user_chose(tmp_path, monkeypatch, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    clean_environment.pop("THP_MEM_ALLOC_ENABLE", None)
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args([]), [])
+    assert {c.env["THP_MEM_ALLOC_ENABLE"] for c in children} == {"1"}
+    clean_environment["THP_MEM_ALLOC_ENABLE"] = "0"
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args([]), [])
+    assert {c.env["THP_MEM_ALLOC_ENABLE"] for c in children} == {"0"}
