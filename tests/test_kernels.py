@@ -305,7 +305,7 @@ def test_gat_rejects_mismatched_shapes():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.6])
-def test_dropout_keeps_each_element_with_probability_one_minus_p(p):
+def test_dropout_keeps_each_element_with_probability_one_minus_p(backend, p):
     torch.manual_seed(0)
     x = torch.ones(400, 500)
     y = dropout(x, p, training=True)
@@ -319,7 +319,7 @@ def test_dropout_keeps_each_element_with_probability_one_minus_p(p):
     assert abs(pairs.float().mean().item() - (1 - p) ** 2) < 2 * tolerance
 
 
-def test_dropout_gradient_is_the_mask_scaled():
+def test_dropout_gradient_is_the_mask_scaled(backend):
     torch.manual_seed(1)
     x = torch.randn(50, 30, dtype=torch.float64, requires_grad=True)
     y = dropout(x, 0.5, training=True)
@@ -330,7 +330,7 @@ def test_dropout_gradient_is_the_mask_scaled():
     torch.testing.assert_close(grad, upstream * mask)
 
 
-def test_dropout_is_seeded_and_off_outside_training():
+def test_dropout_is_seeded_and_off_outside_training(backend):
     x = torch.randn(100, 20)
     torch.manual_seed(3)
     first = dropout(x, 0.5, training=True)
@@ -339,3 +339,18 @@ def test_dropout_is_seeded_and_off_outside_training():
     assert not torch.equal(first, dropout(x, 0.5, training=True))
     assert dropout(x, 0.5, training=False) is x
     assert dropout(x, 0.0, training=True) is x
+
+
+def test_dropout_mask_does_not_depend_on_thread_count(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "numba")
+    monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+    x = torch.randn(301, 77)
+    previous, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(5)
+            results.append(dropout(x, 0.3, training=True))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(*results)

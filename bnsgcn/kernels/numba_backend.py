@@ -410,3 +410,88 @@ def gat_backward(
         work=work,
     )
     return (dx if need_dx else None), d_src, d_dst
+
+
+# SplitMix64 (Steele, Lea & Flood 2014) of a counter: 64 random bits per word of four
+# elements, the same for any thread count or block split.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+@njit(cache=True, inline="always")
+def _splitmix64(seed, counter):
+    z = seed + (counter + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+# Loops over whole arrays: numba vectorises these, not loops with computed bounds, so each
+# block passes its slices.
+@njit(cache=True)
+def _dropout_block(x, seed, first_word, threshold, scale, out, keep):
+    n = x.shape[0]
+    low16 = np.uint64(0xFFFF)
+    for word in range(n // 4):  # unrolled by hand: four 16-bit fields of one draw
+        bits = _splitmix64(seed, np.uint64(first_word + word))
+        i = 4 * word
+        k0 = (bits & low16) >= threshold
+        k1 = ((bits >> np.uint64(16)) & low16) >= threshold
+        k2 = ((bits >> np.uint64(32)) & low16) >= threshold
+        k3 = (bits >> np.uint64(48)) >= threshold
+        keep[i], keep[i + 1], keep[i + 2], keep[i + 3] = k0, k1, k2, k3
+        out[i] = x[i] * scale * k0
+        out[i + 1] = x[i + 1] * scale * k1
+        out[i + 2] = x[i + 2] * scale * k2
+        out[i + 3] = x[i + 3] * scale * k3
+    if n % 4:
+        bits = _splitmix64(seed, np.uint64(first_word + n // 4))
+        for i in range(n - n % 4, n):
+            kept = (bits & low16) >= threshold
+            keep[i] = kept
+            out[i] = x[i] * scale * kept
+            bits = bits >> np.uint64(16)
+
+
+@_row_parallel()
+def _dropout_kernel(x, seed, threshold, scale, out, keep, n_blocks):
+    n = x.shape[0]
+    words = (n + 3) // 4
+    scale = x.dtype.type(scale)
+    for block in prange(n_blocks):
+        first, last = words * block // n_blocks, words * (block + 1) // n_blocks
+        start, stop = 4 * first, min(4 * last, n)
+        _dropout_block(x[start:stop], seed, first, threshold, scale, out[start:stop], keep[start:stop])
+
+
+@njit(cache=True)
+def _masked_scale_block(dy, keep, scale, dx):
+    for i in range(dy.shape[0]):
+        dx[i] = dy[i] * scale * keep[i]
+
+
+@_row_parallel()
+def _masked_scale_kernel(dy, keep, scale, dx, n_blocks):
+    n = dy.shape[0]
+    scale = dy.dtype.type(scale)
+    for block in prange(n_blocks):
+        start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
+        _masked_scale_block(dy[start:stop], keep[start:stop], scale, dx[start:stop])
+
+
+def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
+    """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, one
+    fused pass; the bits come from a seed drawn from torch's generator (reproducible)."""
+    seed = int(torch.randint(0, 2**62, (1,)))
+    out = torch.empty_like(x)
+    keep = torch.empty(x.shape, dtype=torch.bool)
+    _dropout_kernel(_array(x).reshape(-1), np.uint64(seed), np.uint64(threshold), float(scale), out.numpy().reshape(-1), keep.numpy().reshape(-1), work=x.numel())
+    return out, keep
+
+
+def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``dy * keep * scale`` in one pass."""
+    dx = torch.empty_like(dy)
+    _masked_scale_kernel(_array(dy).reshape(-1), _array(keep).reshape(-1), scale, dx.numpy().reshape(-1), work=dy.numel())
+    return dx

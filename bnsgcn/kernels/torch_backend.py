@@ -136,3 +136,17 @@ def gat_backward(
     if need_dx:
         dx = _per_head_spmm(adj.t_indptr, adj.t_indices, alpha[adj.t_edge], dy, adj.n_cols)
     return dx, d_src, d_dst
+
+
+def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
+    """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, the bits
+    drawn as 64-bit words from torch's generator."""
+    n = x.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    bits = words.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
+    keep = bits >= threshold - 2**15
+    return (x * keep).mul_(scale), keep
+
+
+def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
+    return (dy * keep).mul_(scale)
