@@ -2,6 +2,7 @@
 
     python -m benchmarks.suite --preset quick --out benchmarks/results/suite-quick.json
     python -m benchmarks.suite --preset full --work /scratch/bnsgcn-suite --out benchmarks/results/suite-full.json
+    python -m benchmarks.suite --preset target                 # the 200,000-node reference graph only
     python -m benchmarks.suite --preset quick --dry-run        # print the plan, run nothing
     python -m benchmarks.suite --render benchmarks/results/suite-quick.json   # tables again
 
