@@ -215,3 +215,14 @@ def test_benchmark_suite_plans_every_run(capsys):
     full = suite.plan(suite.PRESETS["full"])
     assert any("nodes=200000" in step.spec for step in full)
     assert np.unique([step.name for step in full]).size == len(full)
+
+
+def test_target_preset_is_the_reference_graph_alone():
+    from benchmarks import suite
+
+    plan = suite.plan(suite.PRESETS["target"])
+    scaling = [step for step in plan if step.group == "scaling"]
+    assert {(step.model, step.ranks, step.p) for step in scaling} == {("graphsage", 2, 1.0), ("graphsage", 2, 0.1)}
+    assert all("nodes=200000" in step.spec for step in plan if step.group != "baseline")
+    assert {step.kind for step in plan if step.group == "reference"} == {"train", "pyg", "bound"}
+    assert not any(step.group == "accuracy" for step in plan)
