@@ -2,7 +2,10 @@
 
 Every collective goes through :class:`Comm`, which also counts the bytes each rank sends
 and receives per category (``features``, ``gradients``, ``selections``, ``reduction``,
-``control``) and the seconds spent inside collectives, for the reports.
+``control``) and the seconds spent inside collectives, for the reports. Tensors handed to
+a collective must already be on :attr:`Comm.device` (NCCL rejects CPU tensors); Comm
+refuses any other, on every backend and world size, so a test can declare another device
+to see where callers put what they send, without a GPU.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class Comm:
     def backend(self) -> str:
         return dist.get_backend()
 
+    def _check_device(self, *tensors: torch.Tensor) -> None:
+        """Refuse tensors that are not on this rank's communication device. Comm does not
+        copy them there itself: a silent copy would hide host-device traffic on hot paths."""
+        for tensor in tensors:
+            if tensor.device != self.device:
+                raise RuntimeError(f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move it to comm.device first")
+
     def _count(self, category: str, sent: int, received: int, seconds: float) -> None:
         self.stats.sent[category] += sent
         self.stats.received[category] += received
@@ -63,6 +73,7 @@ class Comm:
 
         ``send`` [sum(send_counts), *row], ``out`` [sum(recv_counts), *row] (contiguous).
         """
+        self._check_device(send, out)
         start = time.perf_counter()
         if self.world_size == 1:
             out.copy_(send)
@@ -75,6 +86,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, category: str = "control") -> torch.Tensor:
         """Sum ``tensor`` over all ranks in place."""
+        self._check_device(tensor)
         if self.world_size > 1:
             start = time.perf_counter()
             dist.all_reduce(tensor)
@@ -84,6 +96,7 @@ class Comm:
 
     def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work | None:
         """Start summing ``tensor`` over all ranks on the gradient-reduction group."""
+        self._check_device(tensor)
         if self.world_size == 1:
             return None
         nbytes = tensor.numel() * tensor.element_size()

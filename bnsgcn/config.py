@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .errors import UserError
@@ -34,6 +34,7 @@ class TrainConfig:
     out: Path | None = None
     log_json: Path | None = None
     timeout: float = 300.0
+    bucket_mb: float = 8.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
@@ -46,6 +47,16 @@ class TrainConfig:
         if self.precompute is None:
             return self.model in ("graphsage", "gcn")
         return self.precompute
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Size of a gradient all-reduce bucket (see :class:`bnsgcn.reducer.GradientReducer`)."""
+        return int(self.bucket_mb * 2**20)
+
+    def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
+        """This configuration with every choice left to the run made: precompute, run
+        directory, device type and threads (what config.json records)."""
+        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads)
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -81,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, help="run directory (default: a new runs/<timestamp>)")
     g.add_argument("--log-json", type=Path, help="also write the per-epoch JSON lines here")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait before the job fails (default 300)")
+    g.add_argument("--bucket-mb", type=float, default=8.0, help="MiB of parameter gradients per all-reduce bucket (default 8)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
     g.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
@@ -117,6 +129,8 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"--weight-decay {c.weight_decay} must be 0 or positive")
     if c.timeout <= 0:
         raise UserError(f"--timeout {c.timeout} must be positive (seconds)")
+    if c.bucket_mb <= 0:
+        raise UserError(f"--bucket-mb {c.bucket_mb} must be positive (MiB)")
     if c.resume and c.out is None:
         raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
     if c.device not in ("auto", "cpu", "cuda"):

@@ -50,9 +50,12 @@ def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> E
     if p <= 0.0:
         zeros = [0] * len(topology.send_counts)
         return ExchangePlan(torch.empty(0, dtype=torch.int64, device=comm.device), zeros, list(zeros))
-    wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8)
-    comm.all_to_all(_pack_segments(keep, topology.boundary_counts), _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
-    wanted = _unpack_segments(wanted_bits, topology.send_counts)
+    # The bits travel on the communication device; packing, unpacking and the topology
+    # stay on the CPU (no-op moves there).
+    kept_bits = _pack_segments(keep, topology.boundary_counts).to(comm.device)
+    wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8, device=comm.device)
+    comm.all_to_all(kept_bits, _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
+    wanted = _unpack_segments(wanted_bits.cpu(), topology.send_counts)
     return ExchangePlan(
         send_index=topology.send_nodes[wanted].to(comm.device),
         send_counts=segment_counts(wanted, topology.send_counts),
@@ -155,9 +158,11 @@ class _Exchange(torch.autograd.Function):
 def fetch_boundary(comm: Comm, topology: Topology, values_inner: torch.Tensor) -> torch.Tensor:
     """Values of every boundary node from its owner, once (setup, no autograd).
 
-    ``values_inner`` [n_inner, *row] -> [n_boundary, *row].
+    ``values_inner`` [n_inner, *row] -> [n_boundary, *row], on the device of
+    ``values_inner`` (the CPU for topology data, such as degrees); the rows travel on
+    ``comm.device``.
     """
-    plan = full_plan(topology, values_inner.device)
-    send = values_inner.index_select(0, plan.send_index)
-    out = values_inner.new_empty((plan.num_received, *values_inner.shape[1:]))
-    return comm.all_to_all(send, plan.send_counts, plan.recv_counts, out, "control")
+    plan = full_plan(topology, comm.device)
+    send = values_inner.to(comm.device).index_select(0, plan.send_index)
+    out = send.new_empty((plan.num_received, *values_inner.shape[1:]))
+    return comm.all_to_all(send, plan.send_counts, plan.recv_counts, out, "control").to(values_inner.device)

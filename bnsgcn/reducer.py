@@ -1,9 +1,10 @@
 """Gradient all-reduce in buckets, overlapped with backward (as DDP does).
 
-Parameters are grouped into buckets of about ``bucket_bytes`` in reverse registration
-order (roughly the order backward produces their gradients). When every gradient of a
-bucket has been accumulated its all-reduce starts asynchronously; buckets are launched
-strictly in index order so all ranks issue the same sequence of collectives.
+Parameters are grouped into buckets of about ``bucket_bytes`` (``--bucket-mb``) in
+reverse registration order (roughly the order backward produces their gradients). When
+every gradient of a bucket has been accumulated its all-reduce starts asynchronously;
+buckets are launched strictly in index order so all ranks issue the same sequence of
+collectives.
 The loss is already divided by the global number of training nodes, so the sum over
 ranks is the full-graph gradient.
 """
@@ -17,7 +18,7 @@ from .comm import Comm
 
 
 class GradientReducer:
-    def __init__(self, model: nn.Module, comm: Comm, bucket_bytes: int = 8 << 20):
+    def __init__(self, model: nn.Module, comm: Comm, bucket_bytes: int):
         self.comm = comm
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []

@@ -108,6 +108,8 @@ def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topol
 def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInputs:
     """The subgraph induced by training nodes, with that subgraph's degrees."""
     topo = shard.topology
+    # The topology stays on the CPU: fetch_boundary sends these on comm.device and hands
+    # the values back on the CPU.
     train_cpu = shard.train_mask.cpu()
     boundary_train = fetch_boundary(comm, topo, train_cpu.to(torch.uint8)).bool()
     sub = topo.induced(train_cpu, boundary_train, train_cpu[topo.send_nodes])
@@ -165,7 +167,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    reducer = GradientReducer(model, comm)
+    reducer = GradientReducer(model, comm, config.bucket_bytes)
     exchange = BoundaryExchange(comm)
     signature = {"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()}
 
@@ -179,8 +181,9 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
             optimizer.load_state_dict(state["optimizer"])
             start_epoch, best = state["epoch"], state["best"]
             log.info("resumed from epoch %d", start_epoch)
+    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads())
     if comm.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(config.to_json() | {"world_size": comm.world_size, "run_dir": str(run_dir)}, indent=1) + "\n")
+        (run_dir / "config.json").write_text(json.dumps(resolved.to_json() | {"world_size": comm.world_size}, indent=1) + "\n")
     metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
     metrics = MetricsWriter(metric_paths, keep_epochs=start_epoch) if comm.rank == 0 else None
 
@@ -238,7 +241,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best["val_score"], "best_epoch": best["epoch"], "test_score": best["test_score"], "run_dir": str(run_dir)}
     if comm.rank == 0:
         epochs_run = config.epochs - start_epoch
-        report.write(run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": config.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
+        report.write(run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": resolved.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
         if best["state"] is not None:
             torch.save(best["state"], run_dir / "best_model.pt")
         metrics.write(summary)

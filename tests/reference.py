@@ -1,9 +1,13 @@
 """A dense, single-process implementation of the three models, written independently of
-the engine's layers and kernels: the ground truth for the exactness tests."""
+the engine's layers and kernels: the ground truth for the exactness tests, and the check
+of a partition-parallel run against it."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -91,3 +95,31 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in params.items()}
+
+
+def exact_config(model: str, precompute: bool, parts_dir, out, **overrides) -> TrainConfig:
+    """A small configuration under which a partition-parallel run must equal :func:`train`:
+    p = 1 and no dropout."""
+    base = dict(
+        parts_dir=parts_dir, p=1.0, model=model, layers=3, hidden=8, heads=2, dropout=0.0, norm="layer",
+        lr=0.01, epochs=4, eval_every=0, precompute=precompute, device="cpu", out=out, seed=3,
+    )
+    return TrainConfig(**(base | overrides))
+
+
+def _bias_before_norm(name: str, layers: int) -> bool:
+    return name.endswith("bias") and name.startswith("layers.") and int(name.split(".")[1]) < layers - 1
+
+
+def assert_run_matches(config: TrainConfig, graph: Graph, params_by_rank: list[dict]) -> None:
+    """The run of ``config`` (losses in its metrics.jsonl; every rank's final parameters,
+    numpy arrays by name) equals :func:`train` on ``graph``."""
+    ref_losses, ref_params = train(config, graph)
+    lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (config.model, config.use_precompute, config.norm)
+    for params in params_by_rank:  # every rank holds the same, correct parameters
+        for name, ref in ref_params.items():
+            if config.norm == "batch" and _bias_before_norm(name, config.layers):
+                continue  # batch norm cancels it: its true gradient is 0 and Adam turns float noise into steps
+            torch.testing.assert_close(torch.from_numpy(params[name]).double(), ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{config.model} {config.norm} {name}: {m}")

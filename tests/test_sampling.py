@@ -45,7 +45,7 @@ def test_sampled_mean_aggregation_is_unbiased(tmp_path):
         kept += int(keep.sum())
     mean = total / draws
     assert kept / (draws * topo.n_boundary) == pytest.approx(p, abs=0.01)
-    # the sampling error of a mean over 4000 draws is a few percent of the boundary part
+    # the sampling error of the mean over `draws` samples is a few percent of the boundary part
     boundary_part = (exact - spmm(sg.inner, x_inner)).abs().mean()
     assert (mean - exact).abs().mean() < 0.05 * boundary_part
     # and a biased estimate (no 1/p scaling) would be far off: the check can fail
