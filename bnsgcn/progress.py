@@ -6,7 +6,8 @@ Two forms:
   keeps one line up to date (``\\r``) with count/total, percent, rate and ETA; when the
   stream is not a terminal (a log file, CI) it writes a plain line at most every
   ``interval`` seconds and one at the end, so logs stay short.
-* :func:`step` times one long step without a count: ``desc ... done in X.Xs``.
+* :func:`step` times one long step without a count: ``desc ... done in X.Xs``, with a
+  heartbeat of the elapsed time while it runs.
 
 Both write to ``sys.stderr`` by default so that standard output stays for results, and
 both can be switched off with ``enabled=False``.
@@ -15,6 +16,7 @@ both can be switched off with ``enabled=False``.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,27 +121,77 @@ class Progress:
         self.stream.flush()
 
 
+# Heartbeat periods of :func:`step`: a terminal line is cheap to redraw, a log line is not.
+TERMINAL_HEARTBEAT_S = 1.0
+LOG_HEARTBEAT_S = 30.0
+
+_write_lock = threading.Lock()  # heartbeat threads and the main thread share the stream
+_beating: list[_Heartbeat] = []  # heartbeats of the running steps, innermost last
+
+
+class _Heartbeat:
+    """Writes a step's opening line, then ``desc ... running for X`` every ``interval``
+    seconds from a daemon thread, and the closing line when stopped.
+
+    Only the innermost running step beats, so nested steps do not fight over a terminal
+    line; opening and closing lines are written together with the change of innermost step.
+    """
+
+    def __init__(self, desc: str, stream: TextIO, tty: bool, start: float, interval: float, opening: str) -> None:
+        self.desc, self.stream, self.tty, self.start, self.interval = desc, stream, tty, start, interval
+        self._stopped = threading.Event()
+        with _write_lock:
+            _beating.append(self)
+            self._write(opening)
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat of {desc}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            with _write_lock:
+                if _beating[-1] is self:
+                    text = f"{self.desc} ... running for {_duration(time.perf_counter() - self.start)}"
+                    self._write("\r" + text + "\x1b[K" if self.tty else text + "\n")
+
+    def stop(self, closing: str) -> None:
+        """Stop the thread and write ``closing``; nothing is written after it."""
+        self._stopped.set()
+        self._thread.join()
+        with _write_lock:
+            _beating.remove(self)
+            self._write(closing)
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
 @contextmanager
-def step(desc: str, stream: TextIO | None = None, *, enabled: bool = True) -> Iterator[None]:
+def step(desc: str, stream: TextIO | None = None, *, enabled: bool = True, interval: float | None = None) -> Iterator[None]:
     """Time one long step: writes ``desc ...`` then ``desc ... done in X.Xs``.
 
     On a terminal both go on one line; otherwise the start gets its own line so a log
     shows what was running if the step never finishes. A step that raises is reported as
     ``desc ... failed after X.Xs`` and the exception propagates.
+
+    While the step runs, a heartbeat shows ``desc ... running for X``: redrawn every
+    ``interval`` seconds on a terminal (default :data:`TERMINAL_HEARTBEAT_S`), written as a
+    line every ``interval`` seconds otherwise (default :data:`LOG_HEARTBEAT_S`). A step
+    shorter than the interval shows none.
     """
     stream = sys.stderr if stream is None else stream
     tty = _is_tty(stream)
     start = time.perf_counter()
+    heartbeat = None
     if enabled:
-        stream.write(f"{desc} ..." + ("" if tty else "\n"))
-        stream.flush()
+        period = interval if interval is not None else TERMINAL_HEARTBEAT_S if tty else LOG_HEARTBEAT_S
+        # On a terminal, \r and \x1b[K replace the line of an enclosing step while this one runs.
+        heartbeat = _Heartbeat(desc, stream, tty, start, period, f"\r{desc} ...\x1b[K" if tty else f"{desc} ...\n")
     outcome = "failed after"
     try:
         yield
         outcome = "done in"
     finally:
-        if enabled:
-            elapsed = time.perf_counter() - start
-            prefix = "\r" if tty else ""
-            stream.write(f"{prefix}{desc} ... {outcome} {elapsed:.1f}s\n")
-            stream.flush()
+        if heartbeat is not None:
+            text = f"{desc} ... {outcome} {time.perf_counter() - start:.1f}s"
+            heartbeat.stop(f"\r{text}\x1b[K\n" if tty else f"{text}\n")

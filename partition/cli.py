@@ -5,24 +5,26 @@
                      [--seed N] [--force] [--debug]
 
 Bad input ends with ``error: <message>`` on one line of stderr and exit status 2, and
-leaves no output directory behind. Progress goes to stderr; the location of the set and
-its partition report go to stdout.
+leaves no output directory behind; so does an interruption (Ctrl-C: status 130, SIGTERM:
+status 143). Progress goes to stderr; the location of the set and its partition report go
+to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 from bnsgcn.errors import UserError
 from bnsgcn.progress import step
 
+from . import Terminated
 from .partitioner import METHODS, OBJECTIVES, assign, method_info, validate_parts
-from .writer import find_reusable, format_report, write_partition_set
+from .writer import find_reusable, format_report, input_entries, probe_writable, remove_stale_temporaries, write_partition_set
 
 DEFAULT_PARTS = 2
 DEFAULT_DATASET = "synthetic"
@@ -74,26 +76,30 @@ def run(args: argparse.Namespace) -> int:
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment)
+    from .datasets import resolve_dataset  # imported late: loaders pull in heavy modules
+
+    source = resolve_dataset(args.dataset, args.data_dir)
+    inputs = input_entries(source.files)
     try:
-        manifest = find_reusable(out_dir, args.dataset, args.parts, partitioner, args.force)
+        manifest = find_reusable(out_dir, args.dataset, args.parts, partitioner, args.force, inputs=inputs)
+        if manifest is None:
+            remove_stale_temporaries(out_dir)
+            probe_writable(out_dir)  # fail before a long load, not after it
     except OSError as exc:
         raise _unwritable(out_dir, exc) from exc
     if manifest is not None:
-        print(f"reusing the partition set at {out_dir} (same dataset, parts and partitioner); "
+        print(f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
               "pass --force to rewrite it")
     else:
-        check_writable(out_dir)  # fail before a long load, not after it
-        from .datasets import load_dataset  # imported late: loaders pull in heavy modules
-
         with step(f"loading {args.dataset}"):
-            graph = load_dataset(args.dataset, args.data_dir, progress=True)
+            graph = source.load(progress=True)
         validate_parts(args.parts, graph.num_nodes)
         method = "assignment file" if args.assignment is not None else args.method
         with step(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})"):
             assignment = assign(graph, args.parts, args.method, args.objective, args.seed, args.assignment)
         try:
             manifest = write_partition_set(graph, assignment, out_dir, parts=args.parts, method_info=partitioner,
-                                           dataset_spec=args.dataset, force=args.force)
+                                           dataset_spec=args.dataset, inputs=inputs, force=args.force)
         except OSError as exc:
             raise _unwritable(out_dir, exc) from exc
         print(f"partition set written to {out_dir}")
@@ -101,27 +107,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_writable(out_dir: Path) -> None:
-    """Raise :class:`UserError` when ``out_dir`` clearly cannot be created.
-
-    Looks at the nearest existing ancestor only; anything this misses still fails
-    cleanly when the set is written.
-    """
-    ancestor = Path(out_dir).absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise UserError(f"cannot write the partition set to {out_dir}: {ancestor} is a file; choose a writable --out")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the partition set to {out_dir}: {ancestor} is not writable; choose a writable --out")
-
-
 def _unwritable(out_dir: Path, exc: OSError) -> UserError:
     return UserError(f"cannot write the partition set to {out_dir} ({exc.strerror or exc}); choose a writable --out")
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Without a handler SIGTERM ends the process at once, leaving <out>.tmp-<pid> behind.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)
     except UserError as exc:
@@ -129,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("error: terminated (SIGTERM); no partition set was written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("error: interrupted; no partition set was written", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

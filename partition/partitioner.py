@@ -9,7 +9,8 @@ node ``v`` is an *inner* node of partition ``k`` (``0 <= k < K``).
   about ``N/K`` nodes *and* about ``T/K`` training nodes (both within METIS' default 3%
   tolerance). pymetis' ``part_graph`` always passes one constraint (``ncon=1``) and reads
   only the first ``N`` weights, so the METIS routine of the library pymetis ships is called
-  directly through :mod:`ctypes` with ``ncon=2``.
+  directly through :mod:`ctypes` with ``ncon=2``, in a forked child process (see
+  :func:`_run_in_child`).
 * ``random``: a seeded, stratified round-robin: training nodes in random order, then the
   others in random order, dealt to partitions ``0, 1, ..., K-1, 0, ...``. Partition sizes and
   training-node counts each differ by at most one.
@@ -23,6 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,7 @@ BALANCE = {"metis": ["inner_nodes", "train_nodes"], "random": ["inner_nodes", "t
 _METIS_OK = 1
 _METIS_ERROR_MEMORY = -3
 _METIS_NOPTIONS = 40  # METIS 5: length of the options array
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def validate_parts(parts: int, num_nodes: int | None = None) -> None:
@@ -173,18 +179,66 @@ def metis_assignment(graph: Graph, parts: int, objective: str, seed: int) -> np.
     defaults(options)
     options[option.SEED] = seed
     options[option.OBJTYPE] = OBJECTIVES.index(objective)  # METIS_OBJTYPE_CUT = 0, _VOL = 1
-    part = np.zeros(num_nodes, dtype=idx_dtype)
+    # The child writes the assignment into memory shared with this process.
+    shared = mmap.mmap(-1, max(1, num_nodes * idx_dtype.itemsize))
+    part = np.frombuffer(shared, dtype=idx_dtype, count=num_nodes)
     objval = idx_ctype(0)
-    status = kway(
+    status, killed_by = _run_in_child(lambda: kway(
         ctypes.byref(idx_ctype(num_nodes)), ctypes.byref(idx_ctype(ncon)), xadj, adjncy,
         vwgt.reshape(-1), None, None, ctypes.byref(idx_ctype(parts)), None, None,
         options, ctypes.byref(objval), part,
-    )
+    ))
+    if killed_by == signal.SIGKILL:
+        raise UserError("METIS was killed (SIGKILL), most likely by the kernel for lack of memory; "
+                        "free memory, use a larger machine or pass --method random")
+    if killed_by is not None:
+        raise RuntimeError(f"METIS_PartGraphKway crashed ({signal.Signals(killed_by).name})")
     if status == _METIS_ERROR_MEMORY:
         raise UserError("METIS ran out of memory; free memory, use a larger machine or pass --method random")
     if status != _METIS_OK:
         raise RuntimeError(f"METIS_PartGraphKway failed with status {status}")
-    return part.astype(np.int64, copy=False)
+    return part.astype(np.int64)
+
+
+def _run_in_child(call: Callable[[], int]) -> tuple[int | None, int | None]:
+    """Run ``call`` (a METIS routine) in a forked child: (its status, None) or (None, signal that ended it).
+
+    METIS catches SIGTERM itself and longjmps out of the running routine. Sent SIGTERM during
+    its initial partitioning (METIS 5 of pymetis 2025.2.2, 8 parts), it printed "Failed
+    during initial partitioning" and then returned success with only 2 or 4 parts filled,
+    or the process died (killed, or a segmentation fault). So the child blocks SIGTERM and
+    SIGINT and METIS never sees them; this process keeps its handlers and kills the child
+    when one of them raises. Memory the child writes must be shared (``mmap``) to be seen here.
+    """
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 255  # reported as status -1: the child failed before METIS returned
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            _die_with(parent)
+            code = call() & 0xFF
+        finally:
+            os._exit(code)  # no Python cleanup: the parent's files and threads are not the child's
+    try:
+        _, wait_status = os.waitpid(pid, 0)
+    except BaseException:  # interrupted (Terminated, KeyboardInterrupt): METIS must not outlive us
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    if os.WIFSIGNALED(wait_status):
+        return None, os.WTERMSIG(wait_status)
+    code = os.WEXITSTATUS(wait_status)
+    return (code - 256 if code >= 128 else code), None
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this child when ``parent`` ends, even by SIGKILL (Linux only)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before prctl took effect
+        os._exit(255)
 
 
 def read_assignment(path: Path, parts: int, num_nodes: int) -> np.ndarray:

@@ -18,14 +18,17 @@ one per node here is the project's one self-loop convention.
 
 Memory is ``O(N + E_k)`` per partition on top of the graph (``E_k``: in-edges of partition
 ``k``): no ``N x K`` or ``E x K`` arrays are ever built. Everything is written to a
-temporary sibling directory and renamed into place at the end, so an interrupted run
-leaves nothing that looks like a valid set.
+temporary sibling directory ``<out>.tmp-<pid>`` and renamed into place at the end, so an
+interrupted run leaves nothing that looks like a valid set; one killed outright leaves
+its temporary directory, which the next run for the same ``<out>`` deletes.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +43,21 @@ from .graph import Graph
 REPORT_COLUMNS = ("part", "inner", "boundary", "ratio", "local_edges", "cut_edges", "train")
 
 
-def dataset_entry(graph: Graph, spec: str) -> dict:
-    """The manifest's ``dataset`` entry."""
+def input_entries(files: Iterable[Path]) -> list[dict]:
+    """The manifest's ``dataset.inputs``: each input file's resolved path, size and mtime."""
+    entries = []
+    for path in files:
+        stat = Path(path).stat()
+        entries.append({"path": str(Path(path).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return entries
+
+
+def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
+    """The manifest's ``dataset`` entry; ``inputs`` from :func:`input_entries`."""
     return {
         "name": graph.name,
         "spec": spec,
+        "inputs": inputs,
         "num_nodes": graph.num_nodes,
         "num_edges": graph.num_edges,
         "num_features": int(graph.features.shape[1]),
@@ -54,12 +67,14 @@ def dataset_entry(graph: Graph, spec: str) -> dict:
     }
 
 
-def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False) -> dict | None:
+def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False, *,
+                  inputs: Sequence[dict] = ()) -> dict | None:
     """Return the manifest of a valid set at ``out_dir`` made by the same request, else ``None``.
 
-    The request is the dataset spec, ``parts`` and the normalised ``partitioner`` entry
-    (method, objective, seed, assignment file checksum). Valid means a readable manifest
-    and every listed file present with its listed size (checksums are left to
+    The request is the dataset spec, its input files (``inputs`` from :func:`input_entries`:
+    path, size and modification time each), ``parts`` and the normalised ``partitioner``
+    entry (method, objective, seed, assignment file checksum). Valid means a readable
+    manifest and every listed file present with its listed size (checksums are left to
     ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
     :class:`UserError` unless ``force``; a path that is not a partition set at all is never
     overwritten, not even with ``force``.
@@ -78,6 +93,7 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
             and manifest["parts"] == parts
             and manifest["partitioner"] == partitioner
         )
+        same_inputs = manifest["dataset"]["inputs"] == list(inputs)
         complete = all(
             (out_dir / entry["dir"] / f"{name}.npy").is_file()
             and (out_dir / entry["dir"] / f"{name}.npy").stat().st_size == meta["bytes"]
@@ -85,14 +101,60 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
             for name, meta in entry["files"].items()
         ) and len(manifest["partitions"]) == parts
     except (UserError, KeyError, TypeError):
-        same = complete = False
+        same = same_inputs = complete = False
     if not same:
         raise UserError(
             f"{out_dir} holds a different partition set; pass --force to replace it or choose another --out"
         )
+    if not same_inputs:
+        raise UserError(
+            f"{out_dir} was made from other or since changed input files (another --data-dir, or files "
+            "replaced or edited); pass --force to re-partition or choose another --out"
+        )
     if not complete:
         raise UserError(f"{out_dir} holds an incomplete partition set; pass --force to rewrite it")
     return manifest
+
+
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Delete ``<out>.tmp-<pid>`` directories left by killed runs (pid no longer running, or ours)."""
+    out_dir = Path(out_dir)
+    if not out_dir.parent.is_dir():
+        return
+    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp-(\d+)")
+    for candidate in out_dir.parent.iterdir():
+        match = pattern.fullmatch(candidate.name)
+        if match and candidate.is_dir() and not candidate.is_symlink() and not _running_elsewhere(int(match[1])):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+def _running_elsewhere(pid: int) -> bool:
+    """Whether ``pid`` is a running process other than this one."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def probe_writable(out_dir: Path) -> None:
+    """Create and remove the temporary directory of ``out_dir`` (and missing parents); OSError if that fails.
+
+    Asking the file system is the only reliable test: permission bits do not stop root, yet
+    /proc, sysfs and the like refuse new directories even to root.
+    """
+    tmp_dir = _temporary_dir(out_dir)
+    created = _make_dirs(tmp_dir)
+    for directory in reversed(created):
+        _remove_if_empty(directory)
+
+
+def _temporary_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
 
 
 def write_partition_set(
@@ -103,6 +165,7 @@ def write_partition_set(
     parts: int,
     method_info: dict,
     dataset_spec: str | None = None,
+    inputs: Sequence[dict] = (),
     force: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -110,26 +173,28 @@ def write_partition_set(
 
     ``method_info`` is the manifest's ``partitioner`` entry
     (:func:`partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
-    identifies the dataset for reuse. An existing set made by the same request is reused
-    unless ``force``; see :func:`find_reusable`. Returns the manifest.
+    and ``inputs`` (:func:`input_entries` of the files the graph was read from) identify
+    the dataset for reuse. An existing set made by the same request is reused unless
+    ``force``; see :func:`find_reusable`. Returns the manifest.
     """
     out_dir = Path(out_dir)
     spec = graph.name if dataset_spec is None else dataset_spec
-    existing = find_reusable(out_dir, spec, parts, method_info, force)
+    inputs = list(inputs)
+    existing = find_reusable(out_dir, spec, parts, method_info, force, inputs=inputs)
     if existing is not None:
         return existing
     assignment = np.asarray(assignment, dtype=np.int64)
     if assignment.shape != (graph.num_nodes,) or (assignment.size and (assignment.min() < 0 or assignment.max() >= parts)):
         raise ValueError(f"assignment must be int64 [{graph.num_nodes}] with values in [0, {parts})")
 
-    tmp_dir = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run that had our pid
+    remove_stale_temporaries(out_dir)
+    tmp_dir = _temporary_dir(out_dir)
     created = _make_dirs(tmp_dir)
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress)
         report = build_report(partitions)
         manifest = {
-            "dataset": dataset_entry(graph, spec),
+            "dataset": dataset_entry(graph, spec, inputs),
             "parts": parts,
             "partitioner": method_info,
             "self_loops": "one per node, added",

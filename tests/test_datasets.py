@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import shutil
 import sys
 import types
 from collections import defaultdict
@@ -170,21 +171,29 @@ def test_saint_any_named_directory(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- OGB
+# Tiny folders in each layout the ogb package reads; every load goes through ogb itself.
 
 ARXIV_EDGES = np.array([(0, 1), (1, 2), (2, 0), (3, 1), (4, 4), (5, 3), (0, 1)])
+ARXIV_SPLIT = {"train": [0, 1, 2], "valid": [3], "test": [4, 5]}
 
 
-def write_ogb_raw(root: Path, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    folder = root / "ogbn_arxiv"
+def write_split(folder: Path, split: dict[str, list[int]]) -> None:
+    for part, nodes in split.items():
+        write_csv_gz(folder / f"{part}.csv.gz", np.array(nodes).reshape(-1, 1))
+
+
+def write_ogb_raw(folder: Path, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """An ogbn-arxiv-like dataset folder in OGB's raw CSV layout, release file included."""
     features = np.round(np.random.default_rng(3).standard_normal((6, 3)), 4)
     labels = np.array([0, 39, 5, 5, 12, 7]) if labels is None else labels
     write_csv_gz(folder / "raw" / "edge.csv.gz", ARXIV_EDGES)
     write_csv_gz(folder / "raw" / "node-feat.csv.gz", features, fmt="%.4f")
     write_csv_gz(folder / "raw" / "node-label.csv.gz", labels.reshape(-1, 1))
+    write_csv_gz(folder / "raw" / "node_year.csv.gz", np.arange(2000, 2006).reshape(-1, 1))
     write_csv_gz(folder / "raw" / "num-node-list.csv.gz", np.array([[6]]))
     write_csv_gz(folder / "raw" / "num-edge-list.csv.gz", np.array([[len(ARXIV_EDGES)]]))
-    for split, nodes in (("train", [0, 1, 2]), ("valid", [3]), ("test", [4, 5])):
-        write_csv_gz(folder / "split" / "time" / f"{split}.csv.gz", np.array(nodes).reshape(-1, 1))
+    write_split(folder / "split" / "time", ARXIV_SPLIT)
+    (folder / "RELEASE_v1.txt").write_text("")
     return features, labels
 
 
@@ -199,23 +208,46 @@ def check_arxiv(graph: Graph, features: np.ndarray, labels: np.ndarray) -> None:
     np.testing.assert_array_equal(graph.test_mask, mask_of(6, [4, 5]))
 
 
-def test_ogb_raw_layout_is_symmetrised(tmp_path: Path) -> None:
-    features, labels = write_ogb_raw(tmp_path)
-    check_arxiv(load_dataset("ogbn-arxiv", tmp_path, progress=False), features, labels)
-    # the dataset folder itself works as data_dir too
-    check_arxiv(load_dataset("ogbn-arxiv", tmp_path / "ogbn_arxiv", progress=False), features, labels)
+@pytest.mark.parametrize("folder, data_dir", [
+    ("ogbn_arxiv", "."),  # data_dir is the root given to OGB
+    ("arxiv", "."),  # as unzipped from arxiv.zip
+    ("mine", "mine"),  # data_dir is the dataset folder itself
+])
+def test_ogb_raw_layout_is_read_by_ogb_and_symmetrised(tmp_path: Path, folder: str, data_dir: str) -> None:
+    features, labels = write_ogb_raw(tmp_path / folder)
+    check_arxiv(load_dataset("ogbn-arxiv", tmp_path / data_dir, progress=False), features, labels)
+    assert (tmp_path / folder / "processed" / "data_processed").is_file()  # ogb read the raw files and saved them
+    assert "outdated" not in sys.modules  # ogb's version check against PyPI was skipped
 
 
 def test_ogb_processed_layout_without_raw_files(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    features, labels = write_ogb_raw(tmp_path)
-    folder = tmp_path / "ogbn_arxiv"
-    graph_dict = {"edge_index": ARXIV_EDGES.T.copy(), "edge_feat": None, "node_feat": features.astype(np.float32), "num_nodes": np.int64(6)}
-    (folder / "processed").mkdir()
-    torch.save({"graph": graph_dict, "labels": labels.reshape(-1, 1)}, folder / "processed" / "data_processed", pickle_protocol=4)
-    for raw_file in (folder / "raw").iterdir():
-        raw_file.unlink()
+    features, labels = write_ogb_raw(tmp_path / "ogbn_arxiv")
+    load_dataset("ogbn-arxiv", tmp_path, progress=False)  # ogb saves processed/data_processed
+    shutil.rmtree(tmp_path / "ogbn_arxiv" / "raw")
     check_arxiv(load_dataset("ogbn-arxiv", tmp_path, progress=False), features, labels)
+
+
+def test_ogb_products_undirected_with_sales_ranking_split(tmp_path: Path) -> None:
+    folder = tmp_path / "products"
+    edges = np.array([(0, 1), (1, 2), (2, 3), (0, 4), (3, 4)])  # each undirected edge once
+    features = np.round(np.random.default_rng(4).standard_normal((5, 2)), 4)
+    labels = np.array([46, 0, 3, 3, 1])
+    write_csv_gz(folder / "raw" / "edge.csv.gz", edges)
+    write_csv_gz(folder / "raw" / "node-feat.csv.gz", features, fmt="%.4f")
+    write_csv_gz(folder / "raw" / "node-label.csv.gz", labels.reshape(-1, 1))
+    write_csv_gz(folder / "raw" / "num-node-list.csv.gz", np.array([[5]]))
+    write_csv_gz(folder / "raw" / "num-edge-list.csv.gz", np.array([[len(edges)]]))
+    write_split(folder / "split" / "sales_ranking", {"train": [1, 3], "valid": [0], "test": [2, 4]})
+    (folder / "RELEASE_v1.txt").write_text("")
+    graph = load_dataset("ogbn-products", tmp_path, progress=False)
+    assert_canonical(graph)
+    assert graph.name == "ogbn-products" and graph.num_classes == 47 and not graph.symmetrized
+    assert edge_set(graph) == symmetric_closure([tuple(e) for e in edges.tolist()])
+    np.testing.assert_allclose(graph.features, features, rtol=1e-6)
+    np.testing.assert_array_equal(graph.labels, labels)
+    np.testing.assert_array_equal(graph.train_mask, mask_of(5, [1, 3]))
+    np.testing.assert_array_equal(graph.val_mask, mask_of(5, [0]))
+    np.testing.assert_array_equal(graph.test_mask, mask_of(5, [2, 4]))
 
 
 def test_ogb_binary_layout_unlabelled_nodes(tmp_path: Path) -> None:
@@ -225,8 +257,8 @@ def test_ogb_binary_layout_unlabelled_nodes(tmp_path: Path) -> None:
     features = np.random.default_rng(5).standard_normal((5, 2)).astype(np.float32)
     np.savez(folder / "raw" / "data.npz", edge_index=edges, node_feat=features, num_nodes_list=np.array([5]), num_edges_list=np.array([3]))
     np.savez(folder / "raw" / "node-label.npz", node_label=np.array([[3.0], [np.nan], [171.0], [np.nan], [0.0]]))
-    for split, nodes in (("train", [0, 1]), ("valid", [2]), ("test", [4])):
-        write_csv_gz(folder / "split" / "time" / f"{split}.csv.gz", np.array(nodes).reshape(-1, 1))
+    write_split(folder / "split" / "time", {"train": [0, 1], "valid": [2], "test": [4]})
+    (folder / "RELEASE_v1.txt").write_text("")
     graph = load_dataset("ogbn-papers100m", tmp_path, progress=False)
     assert_canonical(graph)
     assert graph.name == "ogbn-papers100M" and graph.num_classes == 172 and graph.symmetrized
@@ -236,6 +268,51 @@ def test_ogb_binary_layout_unlabelled_nodes(tmp_path: Path) -> None:
     np.testing.assert_array_equal(graph.train_mask, mask_of(5, [0]))  # node 1 is unlabelled
     np.testing.assert_array_equal(graph.val_mask, mask_of(5, [2]))
     np.testing.assert_array_equal(graph.test_mask, mask_of(5, [4]))
+
+
+def test_ogb_split_dict_is_preferred_and_unpickled_restrictedly(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    features, labels = write_ogb_raw(tmp_path / "ogbn_arxiv")
+    split_dict = tmp_path / "ogbn_arxiv" / "split" / "time" / "split_dict.pt"
+    torch.save({"train": np.array([5, 4]), "valid": np.array([0], dtype=np.int32), "test": np.array([1, 2, 3])}, split_dict)
+    graph = load_dataset("ogbn-arxiv", tmp_path, progress=False)
+    np.testing.assert_array_equal(graph.train_mask, mask_of(6, [4, 5]))
+    np.testing.assert_array_equal(graph.val_mask, mask_of(6, [0]))
+    np.testing.assert_array_equal(graph.test_mask, mask_of(6, [1, 2, 3]))
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"train": Payload(), "valid": [], "test": []}, split_dict)
+    expect_user_error("ogbn-arxiv", tmp_path, "split_dict.pt", "refused")
+    assert not marker.exists()
+
+
+def test_ogb_split_dict_needs_a_torch_that_restricts_unpickling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    write_ogb_raw(tmp_path / "ogbn_arxiv")
+    torch.save({"train": np.array([0]), "valid": np.array([1]), "test": np.array([2])}, tmp_path / "ogbn_arxiv" / "split" / "time" / "split_dict.pt")
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    expect_user_error("ogbn-arxiv", tmp_path, "split_dict.pt", "torch 2.5.1", "upgrade torch")
+
+
+def test_ogb_missing_release_file_is_refused_without_asking(tmp_path: Path) -> None:
+    write_ogb_raw(tmp_path / "ogbn_arxiv")
+    (tmp_path / "ogbn_arxiv" / "RELEASE_v1.txt").unlink()
+    # ogb would call input() here; under pytest that raises instead of waiting
+    expect_user_error("ogbn-arxiv", tmp_path, "RELEASE_v1.txt", "ogb.stanford.edu")
+    assert not (tmp_path / "ogbn_arxiv" / "processed").exists()
+
+
+def test_ogb_unwritable_folder_is_refused_before_reading(tmp_path: Path) -> None:
+    folder = tmp_path / "ogbn_arxiv"
+    write_ogb_raw(folder)
+    # sysfs refuses new files even to root, so this is unwritable whoever runs the test
+    (folder / "processed").symlink_to("/sys/kernel")
+    expect_user_error("ogbn-arxiv", tmp_path, f"cannot write to {folder / 'processed'}", "make it writable", "copy", "--data-dir")
 
 
 # ----------------------------------------------------------------------------- npz
@@ -475,7 +552,7 @@ def test_unknown_dataset_lists_valid_names() -> None:
 @pytest.mark.parametrize("spec, files", [
     ("reddit", ["reddit_data.npz", "reddit_graph.npz", "data.dgl.ai"]),
     ("yelp", ["adj_full.npz", "feats.npy", "class_map.json", "role.json", "GraphSAINT"]),
-    ("ogbn-products", ["raw/edge.csv.gz", "split/sales_ranking/train.csv.gz", "ogb.stanford.edu"]),
+    ("ogbn-products", ["raw/edge.csv.gz", "raw/num-edge-list.csv.gz", "split/sales_ranking/train.csv.gz", "ogb.stanford.edu"]),
     ("pubmed", ["ind.pubmed.x", "ind.pubmed.test.index", "kimiyoung/planetoid"]),
 ])
 def test_missing_files_are_named(tmp_path: Path, spec: str, files: list[str]) -> None:
@@ -490,9 +567,9 @@ def test_corrupt_files_are_named(tmp_path: Path) -> None:
     write_reddit(tmp_path)
     (tmp_path / "reddit_graph.npz").write_bytes(b"PK\x03\x04 not really a zip")
     expect_user_error("reddit", tmp_path, "reddit_graph.npz")
-    write_ogb_raw(tmp_path)
+    write_ogb_raw(tmp_path / "ogbn_arxiv")
     (tmp_path / "ogbn_arxiv" / "raw" / "edge.csv.gz").write_bytes(b"\x1f\x8b\x08garbage")
-    expect_user_error("ogbn-arxiv", tmp_path, "edge.csv.gz")
+    expect_user_error("ogbn-arxiv", tmp_path, str(tmp_path / "ogbn_arxiv"), "ogb package could not read", "download the dataset again")
     (tmp_path / "cora").mkdir()
     for part in ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index"):
         (tmp_path / "cora" / f"ind.cora.{part}").write_bytes(b"\x80\x02truncated")
@@ -511,7 +588,7 @@ def test_nan_features_are_refused(tmp_path: Path) -> None:
 
 
 def test_labels_out_of_range_are_refused(tmp_path: Path) -> None:
-    write_ogb_raw(tmp_path, labels=np.array([0, 40, 1, 1, 2, 3]))  # ogbn-arxiv has 40 classes
+    write_ogb_raw(tmp_path / "ogbn_arxiv", labels=np.array([0, 40, 1, 1, 2, 3]))  # ogbn-arxiv has 40 classes
     expect_user_error("ogbn-arxiv", tmp_path, "label 40", "node 1", "[0, 40)")
     write_npz(tmp_path / "neg.npz", masks=True, labels=np.array([0, 1, -1, 0, 1, 2, 0, 1, 2, 0]))
     expect_user_error(f"npz:{tmp_path / 'neg.npz'}", None, "label -1", "node 2")
@@ -535,6 +612,31 @@ def test_bad_npz_splits_are_refused(tmp_path: Path, train: list[int], val: list[
     arrays |= {"train_mask": mask_of(10, train), "val_mask": mask_of(10, val), "test_mask": mask_of(10, test)}
     np.savez(tmp_path / "toy.npz", **arrays)
     expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "toy.npz", fragment)
+
+
+def test_npz_non_bool_masks_name_the_fix(tmp_path: Path) -> None:
+    write_npz(tmp_path / "toy.npz", masks=True)
+    arrays = dict(np.load(tmp_path / "toy.npz"))
+    arrays["train_mask"] = arrays["train_mask"].astype(np.int8)
+    np.savez(tmp_path / "toy.npz", **arrays)
+    expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "train mask", "dtype int8", "expected bool", "store each mask as a boolean array")
+
+
+def test_npz_spec_naming_another_kind_of_file(tmp_path: Path) -> None:
+    (tmp_path / "edges.npz").write_text("src,dst\n0,1\n")
+    message = expect_user_error(f"npz:{tmp_path / 'edges.npz'}", None, "edges.npz", "not an .npz archive", "numpy.savez")
+    assert "pickle" not in message
+    np.save(tmp_path / "single.npy", np.zeros(3))
+    expect_user_error(f"npz:{tmp_path / 'single.npy'}", None, "single.npy", "single array", "numpy.savez")
+
+
+@pytest.mark.parametrize("key", ["adj_indices", "adj_indptr"])
+def test_npz_float_index_arrays_are_refused(tmp_path: Path, key: str) -> None:
+    write_npz(tmp_path / "toy.npz", masks=True)
+    arrays = dict(np.load(tmp_path / "toy.npz"))
+    arrays[key] = arrays[key] + 0.5  # would silently become the integers below
+    np.savez(tmp_path / "toy.npz", **arrays)
+    expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "toy.npz", key, "dtype float64", "expected integers")
 
 
 @pytest.mark.parametrize("spec, fragments", [

@@ -157,22 +157,25 @@ def write_npz(path: Path, features: np.ndarray | None = None, labels: np.ndarray
     return path
 
 
-def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywords: str) -> None:
+def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywords: str) -> Outcome:
     """Run bnsgcn-partition with ``--out`` at an existing good set and ``--force``: the
     error must leave that set as it was."""
     before = snapshot(parts.parent)
     outcome = run_cli(PARTITION, [*args, "--out", str(parts), "--force"], tmp_path)
     assert_user_error(outcome, *keywords)
     assert_kept(before, parts.parent)
+    return outcome
 
 
 def test_partition_unknown_dataset(tmp_path, parts):
-    expect_partition_error(tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora")
+    outcome = expect_partition_error(tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora")
+    assert outcome.stderr.strip() == outcome.last_line  # no progress line before it
 
 
 def test_partition_missing_dataset_files(tmp_path, parts):
     (tmp_path / "empty").mkdir()
-    expect_partition_error(tmp_path, parts, ["cora", "--data-dir", str(tmp_path / "empty")], "ind.cora.x", str(tmp_path / "empty"), "--data-dir")
+    outcome = expect_partition_error(tmp_path, parts, ["cora", "--data-dir", str(tmp_path / "empty")], "ind.cora.x", str(tmp_path / "empty"), "--data-dir")
+    assert outcome.stderr.strip() == outcome.last_line  # no progress line before it
 
 
 def test_partition_labels_out_of_range(tmp_path, parts):
@@ -197,6 +200,7 @@ def test_partition_unwritable_output(tmp_path, unwritable_dir):
         before = snapshot(tmp_path)
         outcome = run_cli(PARTITION, [f"npz:{tmp_path / 'good.npz'}", "--out", str(out)], tmp_path)
         assert_user_error(outcome, f"cannot write the partition set to {out}", "choose a writable --out")
+        assert outcome.stderr.strip() == outcome.last_line  # refused before loading anything
         assert_kept(before, tmp_path)  # no temporary directory left behind
 
 

@@ -8,17 +8,22 @@ do not depend on the dataset loaders. Every set is read back through
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import partition.partitioner as partitioner_module
 import partition.writer as writer_module
 from bnsgcn.errors import UserError
 from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest
 from partition.graph import Graph, canonical_csr
 from partition.partitioner import assign, method_info, random_assignment, read_assignment
-from partition.writer import find_reusable, format_report, write_partition_set
+from partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
 
 
 def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False) -> Graph:
@@ -288,6 +293,32 @@ def test_reuse_force_and_conflicts(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]  # no temp or old dirs left
 
 
+def test_reuse_compares_the_input_files(tmp_path):
+    graph = random_graph(120, 500)
+    out = tmp_path / "set"
+    data = tmp_path / "data" / "graph.bin"
+    data.parent.mkdir()
+    data.write_bytes(b"0123456789")
+    inputs = input_entries([data])
+    assert inputs == [{"path": str(data.resolve()), "bytes": 10, "mtime_ns": data.stat().st_mtime_ns}]
+    write_set(graph, out, 2, inputs=inputs)
+    assert read_manifest(out)["dataset"]["inputs"] == inputs
+    info = method_info("metis", "cut", 0)
+    assert find_reusable(out, graph.name, 2, info, inputs=input_entries([data])) == read_manifest(out)
+
+    copy = tmp_path / "elsewhere" / "graph.bin"  # the same bytes in another --data-dir
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    os.utime(copy, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns))
+    with pytest.raises(UserError, match="other or since changed input files"):
+        find_reusable(out, graph.name, 2, info, inputs=input_entries([copy]))
+    stat = data.stat()
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # edited in place, same size
+    with pytest.raises(UserError, match="other or since changed input files"):
+        find_reusable(out, graph.name, 2, info, inputs=input_entries([data]))
+    assert find_reusable(out, graph.name, 2, info, force=True, inputs=input_entries([data])) is None
+
+
 def test_truncated_set_is_not_reused(tmp_path):
     graph = random_graph(120, 500)
     out = tmp_path / "set"
@@ -340,6 +371,47 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.parent.iterdir()) == ["set"]
     assert read_manifest(out)["partitioner"]["seed"] == 0
     check_partition_set(graph, out, 3)
+
+
+def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
+    finished = subprocess.Popen([sys.executable, "-c", ""])
+    finished.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            f"set.tmp-{finished.pid}": False,  # its run was killed: removed
+            f"set.tmp-{os.getpid()}": False,  # ours, from a killed run that had our pid: removed
+            f"set.tmp-{running.pid}": True,  # a run still writing: kept
+            f"other.tmp-{finished.pid}": True,  # another set's: kept
+            "set.tmp-notes": True,  # not ours at all: kept
+        }
+        for name in names:
+            (tmp_path / name / "part-0").mkdir(parents=True)
+            (tmp_path / name / "part-0" / "features.npy").write_bytes(b"x")
+        remove_stale_temporaries(tmp_path / "set")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(name for name, kept in names.items() if kept)
+    finally:
+        running.kill()
+        running.wait()
+
+
+def stand_in_metis(monkeypatch, kway) -> None:
+    """Replace the METIS routine by ``kway`` (which runs where METIS would: in the child)."""
+    _, *rest = partitioner_module._metis_kway()
+    monkeypatch.setattr(partitioner_module, "_metis_kway", lambda: (kway, *rest))
+
+
+def test_metis_killed_for_lack_of_memory_is_a_user_error(monkeypatch):
+    test_pid = os.getpid()
+
+    def killed_kway(*args):
+        if os.getpid() != test_pid:  # never kill the test itself
+            os.kill(os.getpid(), signal.SIGKILL)
+        return -1
+
+    stand_in_metis(monkeypatch, killed_kway)
+    with pytest.raises(UserError, match=r"METIS was killed \(SIGKILL\).*memory.*--method random"):
+        assign(random_graph(), 2)
 
 
 def test_self_loops_in_graph_are_rejected(tmp_path):

@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -137,11 +139,127 @@ def test_unwritable_output(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", refuse_under_read_only)
     before = entries(tmp_path)
+    # /proc refuses new directories even to root, whatever its permission bits say
     for out in (tmp_path / "file" / "set", read_only / "sub" / "set", Path("/proc/bnsgcn-test/set")):
         assert main([CORA_NPZ, "--method", "random", "--out", str(out)]) == 2
-        line = error_line(capsys)
-        assert str(out) in line and "choose a writable --out" in line
+        stderr = capsys.readouterr().err
+        assert stderr.splitlines() == [stderr.strip()]  # the error line only: nothing was loaded
+        assert str(out) in stderr and "choose a writable --out" in stderr
     assert entries(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["no-such-dataset"], "unknown dataset 'no-such-dataset'"),
+    (["cora", "--data-dir", "{tmp}"], "ind.cora.x"),
+])
+def test_dataset_errors_come_before_any_progress_line(tmp_path, capsys, args, expected):
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    assert main([*args, "--out", str(tmp_path / "set")]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.splitlines() == [stderr.strip()] and stderr.startswith("error: ") and expected in stderr
+
+
+def write_small_npz(path: Path, seed: int = 0) -> Path:
+    """A 200-node graph in the npz layout of docs/datasets.md."""
+    from partition.datasets import load_dataset
+
+    graph = load_dataset(f"synthetic:nodes=200,degree=4,features=3,seed={seed}", None, progress=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, adj_indptr=graph.indptr, adj_indices=graph.indices, adj_shape=np.array([200, 200]),
+             features=graph.features, labels=graph.labels,
+             train_mask=graph.train_mask, val_mask=graph.val_mask, test_mask=graph.test_mask)
+    return path
+
+
+def test_reuse_checks_the_input_files(tmp_path, capsys):
+    first, second = write_small_npz(tmp_path / "a" / "g.npz"), write_small_npz(tmp_path / "b" / "g.npz")
+    out = tmp_path / "set"
+    args = ["npz:g.npz", "--method", "random", "--out", str(out), "--data-dir"]
+    assert main([*args, str(first.parent)]) == 0
+    stat = first.stat()
+    assert read_manifest(out)["dataset"]["inputs"] == [
+        {"path": str(first.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    ]
+    capsys.readouterr()
+    assert main([*args, str(first.parent)]) == 0
+    assert "reusing the partition set" in capsys.readouterr().out
+
+    # the same spec on another copy, or on the same file changed since, is not reused
+    assert main([*args, str(second.parent)]) == 2
+    assert "other or since changed input files" in error_line(capsys)
+    write_small_npz(first, seed=1)
+    assert main([*args, str(first.parent)]) == 2
+    assert "--force" in error_line(capsys)
+    assert main([*args, str(first.parent), "--force"]) == 0
+    assert read_manifest(out)["dataset"]["inputs"][0]["mtime_ns"] == first.stat().st_mtime_ns
+
+
+def run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+
+
+# bnsgcn-partition that sends itself SIGTERM in the middle of writing partition 0.
+TERMINATE_WHILE_WRITING = """
+import os, signal, sys
+import partition.writer as writer
+real_write_array, written = writer.write_array, []
+def write_array(part_dir, name, array):
+    written.append(name)
+    if len(written) == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_write_array(part_dir, name, array)
+writer.write_array = write_array
+from partition.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_writing_cleans_up(tmp_path):
+    out = tmp_path / "new" / "set"
+    result = run_script(TERMINATE_WHILE_WRITING, ["synthetic:nodes=300,degree=4", "--method", "random", "--out", str(out)])
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM); no partition set was written"
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # neither <out>.tmp-<pid> nor the parent made for it
+
+
+# bnsgcn-partition whose METIS (a stand-in that sleeps) reports where it runs, and which
+# sends itself SIGTERM once it does.
+TERMINATE_DURING_METIS = """
+import os, signal, sys, threading, time
+import partition.partitioner as partitioner
+kway, *rest = partitioner._metis_kway()
+read_end, write_end = os.pipe()
+def sleeping_kway(*args):
+    blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    os.write(write_end, f"{os.getpid()} {blocked}".encode())
+    time.sleep(120)
+    return 1
+partitioner._metis_kway = lambda: (sleeping_kway, *rest)
+def terminate_once_metis_runs():
+    metis = os.read(read_end, 64).decode()
+    print(f"METIS pid, SIGTERM blocked: {metis}; main pid {os.getpid()}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=terminate_once_metis_runs, daemon=True).start()
+from partition.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_metis_stops_it_cleanly(tmp_path):
+    out = tmp_path / "set"
+    result = run_script(TERMINATE_DURING_METIS, ["synthetic:nodes=300,degree=4", "--out", str(out)])
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM); no partition set was written"
+    assert "Traceback" not in result.stderr
+    match = re.search(r"METIS pid, SIGTERM blocked: (\d+) (\w+); main pid (\d+)", result.stderr)
+    metis_pid, blocked, main_pid = int(match[1]), match[2], int(match[3])
+    # METIS ran in a child that never saw SIGTERM (its own handler mishandles it) ...
+    assert metis_pid != main_pid and blocked == "True"
+    with pytest.raises(ProcessLookupError):  # ... and that child was stopped with the run
+        os.kill(metis_pid, 0)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_existing_foreign_directory_is_refused(tmp_path, capsys):
@@ -230,7 +348,48 @@ def test_step_reports_time_and_failure():
     with pytest.raises(RuntimeError):
         with step("METIS", stream):
             raise RuntimeError("boom")
-    assert stream.getvalue().startswith("METIS ...\rMETIS ... failed after ") and stream.getvalue().count("\n") == 1
+    frames = [frame.replace("\x1b[K", "") for frame in stream.getvalue().split("\r") if frame]
+    assert frames[0] == "METIS ..." and frames[-1].startswith("METIS ... failed after ") and stream.getvalue().count("\n") == 1
+
+
+def heartbeat_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("heartbeat")]
+
+
+def test_step_heartbeat_on_a_terminal_redraws_the_elapsed_time():
+    stream = FakeTerminal()
+    with step("METIS", stream, interval=0.02):
+        assert len(heartbeat_threads()) == 1
+        time.sleep(0.3)
+    assert heartbeat_threads() == []
+    frames = [frame.replace("\x1b[K", "") for frame in stream.getvalue().split("\r") if frame]
+    beats = [float(match[1]) for frame in frames if (match := re.fullmatch(r"METIS \.\.\. running for (\d+\.\d)s", frame))]
+    assert len(beats) >= 3 and beats == sorted(beats) and len(beats) == len(frames) - 2
+    assert frames[0] == "METIS ..." and frames[-1].startswith("METIS ... done in ") and stream.getvalue().count("\n") == 1
+    time.sleep(0.1)
+    assert stream.getvalue().count("running for") == len(beats)  # nothing after the step ended
+
+
+def test_step_heartbeat_in_a_log_and_nested_steps():
+    stream = io.StringIO()
+    with step("loading", stream, interval=0.02):
+        time.sleep(0.15)
+        with step("reading", stream, interval=3600):  # only the innermost step beats
+            time.sleep(0.2)
+    lines = stream.getvalue().splitlines()
+    inner = lines.index("reading ...")
+    assert lines[0] == "loading ..." and inner >= 3
+    assert all(re.fullmatch(r"loading \.\.\. running for \d+\.\ds", line) for line in lines[1:inner])
+    assert lines[inner + 1].startswith("reading ... done in ")
+    assert all("running for" in line for line in lines[inner + 2:-1])  # the outer beats again afterwards
+    assert lines[-1].startswith("loading ... done in ")
+
+
+def test_step_shorter_than_the_heartbeat_shows_none():
+    for stream in (io.StringIO(), FakeTerminal()):
+        with step("quick", stream):  # default periods: 1 s on a terminal, 30 s in a log
+            time.sleep(0.05)
+        assert "running for" not in stream.getvalue()
 
 
 def test_synthetic_dataset_end_to_end(tmp_path, capsys):

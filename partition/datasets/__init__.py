@@ -1,7 +1,10 @@
 """Dataset loaders: every supported dataset becomes one canonical :class:`~partition.graph.Graph`.
 
-``load_dataset(spec, data_dir)`` is the only entry point the rest of the project uses. The
-loaders never download: they read files the user placed under ``data_dir`` (see
+``load_dataset(spec, data_dir)`` is the entry point the rest of the project uses; it is
+``resolve_dataset(spec, data_dir).load()``. Resolving finds every file the load will
+read (or fails at once, without starting a progress line), so ``bnsgcn-partition`` can
+check the files, and whether an existing set was made from them, before the long load.
+The loaders never download: they read files the user placed under ``data_dir`` (see
 ``docs/datasets.md`` for each dataset's files and where to get them) and turn every
 problem with them into a one-line :class:`~bnsgcn.errors.UserError`.
 
@@ -12,7 +15,9 @@ canonicalisation of the arrays a loader read (:func:`build_graph`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,27 +45,40 @@ class Progress:
         return step(f"{self.dataset}: {what}", enabled=self.enabled)
 
 
+@dataclass(frozen=True)
+class DatasetSource:
+    """A dataset whose input files were found, ready to load (see :func:`resolve_dataset`)."""
+
+    label: str  # names the dataset in progress lines
+    files: tuple[Path, ...]  # every file the load reads; empty for generated graphs
+    read: Callable[[Progress], Graph]
+
+    def load(self, progress: bool = True) -> Graph:
+        return self.read(Progress(self.label, progress))
+
+
 def find_dataset_dir(
     data_dir: Path | None,
     subdirs: tuple[str, ...],
     required: tuple[str, ...],
     dataset: str,
     how_to_get: str,
-    alternative: tuple[str, ...] = (),
-) -> Path:
+    alternatives: Sequence[tuple[str, ...]] = (),
+) -> tuple[Path, tuple[str, ...]]:
     """The first of ``<base>/<subdir>`` (in order) and ``<base>`` holding every ``required`` file.
 
     ``base`` is ``data_dir``, or ``./data`` when it is None. A directory holding every file
-    of a non-empty ``alternative`` layout also qualifies (the caller tells which it found).
-    Raises a :class:`UserError` naming the required files, the directories searched and
+    of one of the ``alternatives`` layouts also qualifies. Returns the directory and the
+    files of the first complete layout in it (``required`` first). Raises a
+    :class:`UserError` naming the required files, the directories searched and
     ``how_to_get`` them when no directory qualifies.
     """
     base = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
     candidates = [base / sub for sub in subdirs] + [base]
-    layouts = [required] + ([alternative] if alternative else [])
     for candidate in candidates:
-        if any(all((candidate / name).is_file() for name in layout) for layout in layouts):
-            return candidate
+        for layout in (required, *alternatives):
+            if all((candidate / name).is_file() for name in layout):
+                return candidate, layout
     searched = " or ".join(str(c) for c in candidates)
     raise UserError(
         f"{dataset}: expected {', '.join(required)} in {searched}; {how_to_get}, "
@@ -132,7 +150,10 @@ def _check_masks(masks: tuple[np.ndarray, np.ndarray, np.ndarray], num_nodes: in
     checked = []
     for split, mask in zip(("train", "val", "test"), masks):
         if mask.shape != (num_nodes,) or mask.dtype != np.bool_:
-            raise UserError(f"{source}: {split} mask has shape {mask.shape} and dtype {mask.dtype}, expected bool [{num_nodes}]")
+            raise UserError(
+                f"{source}: {split} mask has shape {mask.shape} and dtype {mask.dtype}, expected bool [{num_nodes}]; "
+                "store each mask as a boolean array with one entry per node (e.g. mask.astype(bool))"
+            )
         checked.append(np.ascontiguousarray(mask))
     train, val, test = checked
     if not train.any():
@@ -190,47 +211,45 @@ def build_graph(
     )
 
 
-def load_dataset(spec: str, data_dir: Path | None, progress: bool = True) -> Graph:
-    """Load the dataset named by ``spec`` as a canonical :class:`Graph`.
+def resolve_dataset(spec: str, data_dir: Path | None) -> DatasetSource:
+    """Find the files of the dataset named by ``spec``; nothing is read yet.
 
     ``spec`` is one of ``reddit``, ``ogbn-products``, ``ogbn-arxiv``, ``ogbn-papers100M``,
     ``yelp``, ``cora``, ``citeseer``, ``pubmed`` (files under ``data_dir``, default
     ``./data``), ``saint:<name>`` (any GraphSAINT-format directory), ``npz:<path>``, or
-    ``synthetic[:key=value,...]``. Nothing is ever downloaded.
+    ``synthetic[:key=value,...]``. Nothing is ever downloaded. Raises :class:`UserError`
+    for an unknown spec or missing files.
     """
-    # Loaders are imported on use: the OGB reader pulls in pandas, the others need nothing.
+    # Loaders are imported on use: the OGB reader pulls in pandas and ogb, the others need nothing.
     kind, _, argument = spec.partition(":")
-    lowered = spec.lower()
-    names = {n.lower(): n for n in DATASET_NAMES}
-    if lowered in names:
-        name = names[lowered]
-        tracker = Progress(name, progress)
-        if name == "reddit":
-            from .reddit import load_reddit
+    name = {n.lower(): n for n in DATASET_NAMES}.get(spec.lower())
+    if name == "reddit":
+        from .reddit import locate_reddit
 
-            return load_reddit(data_dir, tracker)
-        if name in OGB_NAMES:
-            from .ogb import load_ogb
+        return locate_reddit(data_dir)
+    if name in OGB_NAMES:
+        from .ogb import locate_ogb
 
-            return load_ogb(name, data_dir, tracker)
-        if name in SAINT_NAMES:
-            from .saint import load_saint
+        return locate_ogb(name, data_dir)
+    if name in SAINT_NAMES or (kind == "saint" and argument):
+        from .saint import locate_saint
 
-            return load_saint(name, data_dir, tracker)
-        from .planetoid import load_planetoid
+        return locate_saint(name or argument, data_dir)
+    if name in PLANETOID_NAMES:
+        from .planetoid import locate_planetoid
 
-        return load_planetoid(name, data_dir, tracker)
-    if kind == "saint" and argument:
-        from .saint import load_saint
-
-        return load_saint(argument, data_dir, Progress(argument, progress))
+        return locate_planetoid(name, data_dir)
     if kind == "npz" and argument:
-        from .npz import load_npz
+        from .npz import locate_npz
 
-        return load_npz(Path(argument), data_dir, Progress(Path(argument).stem, progress))
+        return locate_npz(Path(argument), data_dir)
     if kind == "synthetic":
-        from .synthetic import generate_synthetic, parse_synthetic_spec
+        from .synthetic import locate_synthetic
 
-        config = parse_synthetic_spec(argument)
-        return generate_synthetic(config, Progress("synthetic", progress))
+        return locate_synthetic(argument)
     raise UserError(f"unknown dataset {spec!r}; choose one of {', '.join(SPEC_FORMS)}")
+
+
+def load_dataset(spec: str, data_dir: Path | None, progress: bool = True) -> Graph:
+    """Load the dataset named by ``spec`` (see :func:`resolve_dataset`) as a canonical :class:`Graph`."""
+    return resolve_dataset(spec, data_dir).load(progress)

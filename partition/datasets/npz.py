@@ -17,6 +17,7 @@ shared with the Reddit and GraphSAINT loaders, whose adjacency files were writte
 from __future__ import annotations
 
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,12 @@ import numpy as np
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph, random_split_masks
+from . import DatasetSource, Progress, build_graph, random_split_masks
 
 RANDOM_SPLIT = (0.6, 0.2)  # train and val fractions; the rest is test
 RANDOM_SPLIT_SEED = 0
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip
+NPY_MAGIC = b"\x93NUMPY"
 
 
 class NpzArrays:
@@ -35,14 +38,23 @@ class NpzArrays:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        # np.load takes anything that is neither zip nor .npy for a pickle and then names
+        # allow_pickle as the problem, so the format is checked first.
         try:
-            self._file = np.load(self.path, allow_pickle=False)
+            with open(self.path, "rb") as handle:
+                magic = handle.read(len(NPY_MAGIC))
         except FileNotFoundError:
             raise UserError(f"{self.path} does not exist; check the path") from None
+        except OSError as exc:
+            raise UserError(f"{self.path} cannot be opened ({exc.strerror}); check its permissions") from None
+        if magic == NPY_MAGIC:
+            raise UserError(f"{self.path} holds a single array, not an .npz archive of named arrays; save it with numpy.savez")
+        if magic[:4] not in ZIP_MAGIC:
+            raise UserError(f"{self.path} is not an .npz archive (a zip of .npy arrays); save the arrays with numpy.savez")
+        try:
+            self._file = np.load(self.path, allow_pickle=False)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             raise UserError(f"{self.path} is not a readable .npz file ({exc}); download or export it again") from None
-        if not isinstance(self._file, np.lib.npyio.NpzFile):
-            raise UserError(f"{self.path} holds a single array, not an .npz archive of named arrays; save it with numpy.savez")
 
     def __contains__(self, key: str) -> bool:
         return key in self._file.files
@@ -89,11 +101,12 @@ def read_sparse(arrays: NpzArrays, prefix: str = "", default_format: str = "csr"
         raise UserError(f"{source}: {prefix}shape must be two non-negative integers, found {shape_array!r}; the file is damaged")
     shape = (int(shape_array[0]), int(shape_array[1]))
     if fmt in ("csr", "csc"):
-        minor = arrays[prefix + "indices"]
-        major = csr_row_ids(arrays[prefix + "indptr"], shape[0] if fmt == "csr" else shape[1], minor.shape[0], f"{source}: {prefix}indptr")
+        minor = _index_array(arrays, prefix + "indices")
+        indptr = _index_array(arrays, prefix + "indptr")
+        major = csr_row_ids(indptr, shape[0] if fmt == "csr" else shape[1], minor.shape[0], f"{source}: {prefix}indptr")
         row, col = (major, minor) if fmt == "csr" else (minor, major)
     elif fmt == "coo":
-        row, col = arrays[prefix + "row"], arrays[prefix + "col"]
+        row, col = _index_array(arrays, prefix + "row"), _index_array(arrays, prefix + "col")
     else:
         raise UserError(f"{source}: sparse format {fmt!r} is not supported; save the matrix as csr, csc or coo")
     data = arrays[prefix + "data"] if prefix + "data" in arrays else np.ones(row.shape[0], dtype=np.float32)
@@ -102,6 +115,14 @@ def read_sparse(arrays: NpzArrays, prefix: str = "", default_format: str = "csr"
     if row.size and (row.min() < 0 or row.max() >= shape[0] or col.min() < 0 or col.max() >= shape[1]):
         raise UserError(f"{source}: {prefix or 'matrix'} entries lie outside its shape {shape}; the file is damaged")
     return row, col, data, shape
+
+
+def _index_array(arrays: NpzArrays, key: str) -> np.ndarray:
+    """``arrays[key]``, which must have an integer dtype (a float array would be truncated)."""
+    values = arrays[key]
+    if not np.issubdtype(values.dtype, np.integer):
+        raise UserError(f"{arrays.path}: {key} has dtype {values.dtype}, expected integers; store node ids and offsets as an integer array (e.g. int32)")
+    return values
 
 
 def dense_from_sparse(row: np.ndarray, col: np.ndarray, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -120,9 +141,14 @@ def _resolve(path: Path, data_dir: Path | None) -> Path:
     raise UserError(f"npz: file {path} not found{where}; pass npz:<path to an .npz file> in the layout of docs/datasets.md")
 
 
-def load_npz(path: Path, data_dir: Path | None, progress: Progress) -> Graph:
-    """Read a graph in the ``.npz`` layout of the module docstring (relative paths also tried under ``data_dir``)."""
+def locate_npz(path: Path, data_dir: Path | None) -> DatasetSource:
+    """A graph in the ``.npz`` layout of the module docstring (relative paths also tried under ``data_dir``)."""
     path = _resolve(path, data_dir)
+    return DatasetSource(path.stem, (path,), partial(read_npz, path))
+
+
+def read_npz(path: Path, progress: Progress) -> Graph:
+    """Read the graph in ``path``."""
     with NpzArrays(path) as arrays, progress.step(f"reading {path}"):
         src, dst, weight, adj_shape = read_sparse(arrays, "adj_")
         keep = weight != 0  # explicitly stored zeros are not edges

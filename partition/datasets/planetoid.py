@@ -12,8 +12,9 @@ Layout (as in Kipf & Welling's loader): ``allx``/``ally`` are the first nodes, `
 the test nodes in the order of ``test.index``; ``y`` labels the first ``len(y)`` nodes
 (the training split), the next 500 nodes are the validation split and ``test.index`` the
 test split. Test ids missing from ``tx`` (CiteSeer's isolated nodes) get zero features,
-label 0 and no split. Features are returned as stored (binary bag of words for Cora and
-CiteSeer, TF-IDF for PubMed), not normalised.
+label 0 and no split. Features (binary bag of words for Cora and CiteSeer, TF-IDF for
+PubMed) are row-normalised to sum 1, as in Kipf & Welling's preprocessing; all-zero rows
+stay zero.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import codecs
 import collections
 import itertools
 import pickle
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,7 +32,7 @@ import numpy as np
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph, find_dataset_dir
+from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import csr_row_ids, dense_from_sparse
 
 PYG_NAMES = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
@@ -131,10 +133,15 @@ def _edges(adjacency: object, path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(nodes, counts), dst
 
 
-def load_planetoid(name: str, data_dir: Path | None, progress: Progress) -> Graph:
-    """Read ``cora``, ``citeseer`` or ``pubmed`` with the public Planetoid split."""
-    files = tuple(f"ind.{name}.{part}" for part in (*PICKLED_PARTS, "test.index"))
-    root = find_dataset_dir(data_dir, (name, f"{PYG_NAMES[name]}/raw", "planetoid"), files, name, HOW_TO_GET)
+def locate_planetoid(name: str, data_dir: Path | None) -> DatasetSource:
+    """``cora``, ``citeseer`` or ``pubmed``."""
+    required = tuple(f"ind.{name}.{part}" for part in (*PICKLED_PARTS, "test.index"))
+    root, files = find_dataset_dir(data_dir, (name, f"{PYG_NAMES[name]}/raw", "planetoid"), required, name, HOW_TO_GET)
+    return DatasetSource(name, tuple(root / file for file in files), partial(read_planetoid, name, root))
+
+
+def read_planetoid(name: str, root: Path, progress: Progress) -> Graph:
+    """Read ``cora``, ``citeseer`` or ``pubmed`` from ``root`` with the public Planetoid split."""
     parts = {}
     with progress.step(f"reading {root}/ind.{name}.*"):
         for part in PICKLED_PARTS:

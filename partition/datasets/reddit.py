@@ -9,21 +9,26 @@ Files, in ``<data_dir>/reddit`` or ``<data_dir>``:
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph, find_dataset_dir
+from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import NpzArrays, read_sparse
 
 HOW_TO_GET = "download reddit.zip from https://data.dgl.ai/dataset/reddit.zip (DGL's Reddit data) and unzip it"
 FILES = ("reddit_data.npz", "reddit_graph.npz")
 
 
-def load_reddit(data_dir: Path | None, progress: Progress) -> Graph:
-    """Read Reddit; the split comes from ``node_types`` (1 train, 2 val, 3 test)."""
-    root = find_dataset_dir(data_dir, ("reddit",), FILES, "reddit", HOW_TO_GET)
+def locate_reddit(data_dir: Path | None) -> DatasetSource:
+    root, files = find_dataset_dir(data_dir, ("reddit",), FILES, "reddit", HOW_TO_GET)
+    return DatasetSource("reddit", tuple(root / file for file in files), partial(read_reddit, root))
+
+
+def read_reddit(root: Path, progress: Progress) -> Graph:
+    """Read Reddit from ``root``; the split comes from ``node_types`` (1 train, 2 val, 3 test)."""
     data_file, graph_file = root / FILES[0], root / FILES[1]
     with progress.step(f"reading {data_file}"), NpzArrays(data_file) as data:
         features = data["feature"]

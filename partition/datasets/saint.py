@@ -15,6 +15,7 @@ deviation of the training nodes: ``x' = (x - mean_train) / std_train`` per colum
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph, check_features, find_dataset_dir, read_split_masks
+from . import DatasetSource, Progress, build_graph, check_features, find_dataset_dir, read_split_masks
 from .npz import NpzArrays, read_sparse
 
 FILES = ("adj_full.npz", "feats.npy", "class_map.json", "role.json")
@@ -84,10 +85,13 @@ def standardise(features: np.ndarray, train_mask: np.ndarray) -> np.ndarray:
     return (features - mean.astype(np.float32)) / std.astype(np.float32)
 
 
-def load_saint(name: str, data_dir: Path | None, progress: Progress) -> Graph:
-    """Read a GraphSAINT-format directory (``name`` is its folder name, or a path)."""
-    root = find_dataset_dir(data_dir, (name,), FILES, name, HOW_TO_GET)
-    graph_name = Path(name).name
+def locate_saint(name: str, data_dir: Path | None) -> DatasetSource:
+    """A GraphSAINT-format directory (``name`` is its folder name, or a path)."""
+    root, files = find_dataset_dir(data_dir, (name,), FILES, name, HOW_TO_GET)
+    return DatasetSource(name, tuple(root / file for file in files), partial(read_saint, Path(name).name, root))
+
+
+def read_saint(graph_name: str, root: Path, progress: Progress) -> Graph:
     with progress.step(f"reading {root / 'adj_full.npz'}"), NpzArrays(root / "adj_full.npz") as adjacency:
         src, dst, _, shape = read_sparse(adjacency)
     if shape[0] != shape[1]:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import numpy as np
 
 from bnsgcn.errors import UserError
 from partition.graph import Graph
 
-from . import Progress, build_graph, random_split_masks
+from . import DatasetSource, Progress, build_graph, random_split_masks
 
 CHUNK = 1 << 22  # edges or feature rows generated per step
 MAX_OVERDRAW = 4.0  # at most this many draws per wanted edge (else the graph is too dense)
@@ -161,6 +162,11 @@ def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Gene
             src[start:start + count] = u
             dst[start:start + count] = by_class[position]
     return src, dst
+
+
+def locate_synthetic(spec_arguments: str) -> DatasetSource:
+    """The graph of ``synthetic:<spec_arguments>``: no files; bad keys or values fail here."""
+    return DatasetSource("synthetic", (), partial(generate_synthetic, parse_synthetic_spec(spec_arguments)))
 
 
 def generate_synthetic(config: SyntheticConfig, progress: Progress) -> Graph:
