@@ -68,20 +68,24 @@ class Comm:
         self.stats.received[category] += received
         self.stats.seconds[category] += seconds
 
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> torch.Tensor:
-        """Rows ``send[sum(send_counts[:r]) : ...]`` go to rank r; rank r's rows land in ``out`` likewise.
+    def all_to_all_start(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> dist.Work | None:
+        """Start moving rows ``send[sum(send_counts[:r]) : ...]`` to rank r; rank r's rows land
+        in ``out`` likewise once :meth:`wait` returns. Both buffers must stay untouched until then.
 
         ``send`` [sum(send_counts), *row], ``out`` [sum(recv_counts), *row] (contiguous).
         """
         self._check_device(send, out)
-        start = time.perf_counter()
-        if self.world_size == 1:
-            out.copy_(send)
-        else:
-            dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         row_bytes = send.element_size() * math.prod(send.shape[1:])
         own = send_counts[self.rank]
-        self._count(category, (sum(send_counts) - own) * row_bytes, (sum(recv_counts) - recv_counts[self.rank]) * row_bytes, time.perf_counter() - start)
+        self._count(category, (sum(send_counts) - own) * row_bytes, (sum(recv_counts) - recv_counts[self.rank]) * row_bytes, 0.0)
+        if self.world_size == 1:
+            out.copy_(send)
+            return None
+        return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, async_op=True)
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> torch.Tensor:
+        """:meth:`all_to_all_start`, then wait for it; returns ``out``."""
+        self.wait(self.all_to_all_start(send, send_counts, recv_counts, out, category), category)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, category: str = "control") -> torch.Tensor:
@@ -104,6 +108,7 @@ class Comm:
         return dist.all_reduce(tensor, group=self.reduce_group, async_op=True)
 
     def wait(self, work: dist.Work | None, category: str = "reduction") -> None:
+        """Block until ``work`` (a started collective) is done; the wait counts as ``category``'s time."""
         if work is not None:
             start = time.perf_counter()
             work.wait()

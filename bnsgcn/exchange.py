@@ -120,38 +120,86 @@ class BoundaryExchange:
         self.grad_buffer = _Buffer()
         self.recv_buffers: dict[int, _Buffer] = {}
 
-    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> torch.Tensor:
-        """Rows of sampled boundary nodes. ``x_inner`` [n_inner, *row] -> [plan.num_received, *row].
+    def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
+        """Start fetching the rows of sampled boundary nodes for layer ``slot``;
+        :meth:`InFlightRows.wait` returns them, [plan.num_received, *row] from ``x_inner``
+        [n_inner, *row]. Differentiable: backward sends the rows' gradients to their owners.
 
         ``category`` names the forward traffic in the byte counts; gradients are counted
         as ``gradients``.
         """
         recv = self.recv_buffers.setdefault(slot, _Buffer())
-        return _Exchange.apply(x_inner, plan, self, recv, category)
+        flight = InFlightRows(self, plan, category)
+        flight.rows = _Send.apply(x_inner, flight, recv)
+        return flight
 
-    def send(self, x_inner: torch.Tensor, plan: ExchangePlan, recv: _Buffer, category: str) -> torch.Tensor:
+    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> torch.Tensor:
+        """:meth:`start`, then wait: the rows of sampled boundary nodes."""
+        return self.start(x_inner, plan, slot, category).wait()
+
+
+class InFlightRows:
+    """One layer's boundary exchange while its all-to-all runs: forward rows, then backward
+    gradients. Work done between :meth:`BoundaryExchange.start` and :meth:`wait` (forward),
+    and between the two halves of backward, overlaps the transfer."""
+
+    def __init__(self, exchange: BoundaryExchange, plan: ExchangePlan, category: str) -> None:
+        self.exchange, self.plan, self.category = exchange, plan, category
+        self.rows: torch.Tensor | None = None
+        self.work = None  # the forward all-to-all, then the gradients' one
+        self.grad_rows: torch.Tensor | None = None  # kept alive while its all-to-all runs
+        self.grad_send: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The received rows [plan.num_received, *row] (autograd-connected)."""
+        return _Receive.apply(self.rows, self)
+
+
+class _Send(torch.autograd.Function):
+    """Forward: start the all-to-all of the requested rows. Backward: wait for the gradients
+    that :class:`_Receive`'s backward sent and add them into the owners' rows."""
+
+    @staticmethod
+    def forward(ctx, x_inner, flight, recv):  # noqa: D102
+        ctx.flight, ctx.n_inner = flight, x_inner.shape[0]
+        plan, exchange = flight.plan, flight.exchange
+        x_inner = x_inner.detach()
         row = tuple(x_inner.shape[1:])
-        send = self.send_buffer.view((plan.send_index.numel(), *row), x_inner)
+        send = exchange.send_buffer.view((plan.send_index.numel(), *row), x_inner)
         torch.index_select(x_inner, 0, plan.send_index, out=send)
         out = recv.view((plan.num_received, *row), x_inner)
-        return self.comm.all_to_all(send, plan.send_counts, plan.recv_counts, out, category)
-
-
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_inner, plan, exchange, recv, category):  # noqa: D102
-        ctx.plan, ctx.exchange, ctx.n_inner = plan, exchange, x_inner.shape[0]
-        return exchange.send(x_inner.detach(), plan, recv, category)
+        flight.work = exchange.comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, out, flight.category)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
-        plan, exchange = ctx.plan, ctx.exchange
-        grad_out = grad_out.contiguous()
-        row = tuple(grad_out.shape[1:])
-        grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_out)
-        exchange.comm.all_to_all(grad_out, plan.recv_counts, plan.send_counts, grad_send, "gradients")
-        grad_x = grad_out.new_zeros((ctx.n_inner, *row)).index_add_(0, plan.send_index, grad_send)
-        return grad_x, None, None, None, None
+    def backward(ctx, _grad_rows):  # noqa: D102
+        flight = ctx.flight
+        flight.exchange.comm.wait(flight.work, "gradients")
+        grad_send = flight.grad_send
+        flight.work = flight.grad_rows = flight.grad_send = None
+        grad_x = grad_send.new_zeros((ctx.n_inner, *grad_send.shape[1:])).index_add_(0, flight.plan.send_index, grad_send)
+        return grad_x, None, None
+
+
+class _Receive(torch.autograd.Function):
+    """Forward: wait for the rows. Backward: start sending their gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, rows, flight):  # noqa: D102
+        ctx.flight = flight
+        flight.exchange.comm.wait(flight.work, flight.category)
+        flight.work = None
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows):  # noqa: D102
+        flight = ctx.flight
+        plan, exchange = flight.plan, flight.exchange
+        flight.grad_rows = grad_rows.contiguous()
+        row = tuple(grad_rows.shape[1:])
+        flight.grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_rows)
+        flight.work = exchange.comm.all_to_all_start(flight.grad_rows, plan.recv_counts, plan.send_counts, flight.grad_send, "gradients")
+        return flight.grad_rows, None
 
 
 @torch.no_grad()

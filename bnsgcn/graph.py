@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exchange import BoundaryExchange, ExchangePlan
+from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
 from .kernels import Adjacency
 from .shard import Topology
 
@@ -56,7 +56,7 @@ class EpochGraph:
     """What one forward pass aggregates over.
 
     ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (values already
-    scaled by ``1/p``) are kept apart so the inner product can run while boundary rows are
+    scaled by ``1/p``) are kept apart so the inner product runs while boundary rows are
     in flight. GAT's softmax couples the two, so it uses ``full``
     [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled].
     """
@@ -69,9 +69,14 @@ class EpochGraph:
     exchange: BoundaryExchange
     traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
 
+    def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows:
+        """Start fetching the rows of the sampled boundary nodes for layer ``slot`` from
+        their owners; ``.wait()`` returns them."""
+        return self.exchange.start(x_inner, self.plan, slot, self.traffic)
+
     def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners."""
-        return self.exchange(x_inner, self.plan, slot, self.traffic)
+        return self.start_boundary_rows(x_inner, slot).wait()
 
 
 class ShardGraph:

@@ -12,16 +12,22 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .graph import EpochGraph
-from .kernels import gat_aggregate, spmm
+from .kernels import gat_aggregate, spmm, spmm_add_
 
 
 def aggregate(g: EpochGraph, x: Tensor, slot: int) -> Tensor:
-    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d]."""
+    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d].
+
+    The inner columns' product runs while the boundary rows are in flight (and in backward,
+    while their gradients are).
+    """
+    boundary = g.start_boundary_rows(x, slot)
     out = spmm(g.inner, x)
-    return out + spmm(g.boundary, g.boundary_rows(x, slot))
+    return spmm_add_(out, g.boundary, boundary.wait())
 
 
 class SAGEConv(nn.Module):
@@ -39,11 +45,11 @@ class SAGEConv(nn.Module):
         self.lin_neigh = nn.Linear(d_in, d_out, bias=False)
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        if x_agg is not None:
-            return self.lin_self(x) + self.lin_neigh(x_agg)
-        if self.lin_neigh.in_features <= self.lin_neigh.out_features:
-            return self.lin_self(x) + self.lin_neigh(aggregate(g, x, self.slot))
-        return self.lin_self(x) + aggregate(g, self.lin_neigh(x), self.slot)
+        if x_agg is None and self.lin_neigh.in_features > self.lin_neigh.out_features:
+            return self.lin_self(x) + aggregate(g, self.lin_neigh(x), self.slot)
+        neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
+        # addmm adds the neighbour product inside the GEMM: no separate pass over the output.
+        return torch.addmm(self.lin_self(x), neighbours, self.lin_neigh.weight.t())
 
 
 class GCNConv(nn.Module):
@@ -59,11 +65,9 @@ class GCNConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_out))
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        if x_agg is not None:
-            return self.lin(x_agg) + self.bias
-        if self.lin.in_features <= self.lin.out_features:
-            return self.lin(aggregate(g, x, self.slot)) + self.bias
-        return aggregate(g, self.lin(x), self.slot) + self.bias
+        if x_agg is None and self.lin.in_features > self.lin.out_features:
+            return aggregate(g, self.lin(x), self.slot) + self.bias
+        return F.linear(x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight, self.bias)
 
 
 class GATConv(nn.Module):

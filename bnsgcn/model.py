@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .config import TrainConfig
 from .graph import EpochGraph
-from .kernels import dropout
+from .kernels import dropout, layer_norm_relu_dropout
 from .layers import GATConv, GCNConv, SAGEConv
 
 
@@ -88,16 +88,21 @@ class GNN(nn.Module):
             d_in = d_out
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        h = x
+        h = dropout(x, self.dropout, self.training)
         for i, layer in enumerate(self.layers):
-            h = dropout(h, self.dropout, self.training)
             if i == 0 and x_agg is not None:
                 h = layer(h, g, dropout(x_agg, self.dropout, self.training))
             else:
                 h = layer(h, g)
             if i < len(self.norms):
-                h = self.activation(self.norms[i](h))
+                h = self._between_layers(self.norms[i], h)
         return h
+
+    def _between_layers(self, norm: nn.Module, h: Tensor) -> Tensor:
+        """norm -> activation -> the next layer's input dropout; one fused pass for layer norm + ReLU."""
+        if isinstance(norm, nn.LayerNorm) and self.activation is F.relu:
+            return layer_norm_relu_dropout(h, norm.weight, norm.bias, norm.eps, self.dropout, self.training)
+        return dropout(self.activation(norm(h)), self.dropout, self.training)
 
 
 def _norm(kind: str, dim: int, reduce: Callable[[Tensor], Tensor]) -> nn.Module:

@@ -29,7 +29,7 @@ from .errors import UserError
 from .exchange import BoundaryExchange, fetch_boundary, full_plan, make_plan
 from .format import set_id
 from .graph import ShardGraph
-from .kernels import spmm
+from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
 from .progress import Progress
@@ -101,7 +101,7 @@ def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topol
         # The first layer's aggregation never changes: compute it once over the full graph.
         boundary_x = fetch_boundary(comm, topology, features)
         with torch.no_grad():
-            x_agg = spmm(graph.inner, features) + spmm(graph.boundary, boundary_x)
+            x_agg = spmm_add_(spmm(graph.inner, features), graph.boundary, boundary_x)
     return GraphInputs(topology, graph, features, x_agg, labels, train_mask)
 
 

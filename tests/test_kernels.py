@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bnsgcn.errors import UserError
-from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, kernel_backend, numba_backend, spmm
+from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
 
 # numba's kernels run serially for one thread or small inputs, in parallel otherwise: both.
 BACKENDS = ("numba-serial", "numba-parallel", "torch")
@@ -112,6 +112,35 @@ def test_spmm_gradcheck_float64(backend, weighted):
     _, adj = make_case(9, 13, weighted, torch.float64)
     x = torch.randn(13, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: spmm(adj, x), (x,))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_spmm_add_matches_dense_in_place(backend, weighted):
+    """Inner + boundary columns as the layers aggregate them: ``spmm(A_in, x)`` then
+    ``spmm_add_`` of ``A_b``'s product into it; values and both inputs' gradients."""
+    dense_in, inner = make_case(40, 40, weighted, torch.float64, seed=3)
+    dense_b, boundary = make_case(40, 25, weighted, torch.float64, seed=4)
+    x = torch.randn(40, 6, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(25, 6, dtype=torch.float64, requires_grad=True)
+    base = spmm(inner, x)
+    storage = base.data_ptr()
+    y = spmm_add_(base, boundary, rows)
+    assert y.data_ptr() == storage  # no temporary for the sum
+    torch.testing.assert_close(y, dense_in @ x.detach() + dense_b @ rows.detach())
+    dy = torch.randn_like(y)
+    dx, drows = torch.autograd.grad(y, (x, rows), dy)
+    torch.testing.assert_close(dx, dense_in.T @ dy)
+    torch.testing.assert_close(drows, dense_b.T @ dy)
+    assert torch.autograd.gradcheck(lambda x, rows: spmm_add_(spmm(inner, x), boundary, rows), (x, rows))
+    with torch.no_grad():
+        plain = spmm_add_(spmm(inner, x), boundary, rows)
+    torch.testing.assert_close(plain, y.detach())
+
+
+def test_spmm_add_rejects_a_base_of_the_wrong_shape():
+    _, adj = make_case(10, 8, True, torch.float32)
+    with pytest.raises(UserError, match="base of shape"):
+        spmm_add_(torch.zeros(9, 3), adj, torch.randn(8, 3))
 
 
 def test_spmm_without_grad_builds_no_backward(backend):
@@ -354,3 +383,77 @@ def test_dropout_mask_does_not_depend_on_thread_count(monkeypatch):
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(*results)
+
+
+# --- layer norm -> ReLU -> dropout ----------------------------------------------------------
+
+
+def _norm_case(dtype: torch.dtype, n: int = 60, d: int = 37):
+    """Rows of several scales and one constant row (zero variance); width not a multiple of 4."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, d, generator=g, dtype=dtype) * torch.linspace(0.1, 10, n, dtype=dtype)[:, None]
+    x[3] = 2.5
+    weight = torch.rand(d, generator=g, dtype=dtype) + 0.5
+    bias = torch.randn(d, generator=g, dtype=dtype) * 0.3
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_norm_relu_without_dropout_matches_torch(backend, dtype):
+    x, weight, bias = _norm_case(dtype)
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+    bias.requires_grad_(True)
+    ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.5, training=False)
+    reference = torch.relu(torch.nn.functional.layer_norm(x, (x.shape[1],), weight, bias, 1e-5))
+    upstream = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, (x, weight, bias), upstream)
+    expected = torch.autograd.grad(reference, (x, weight, bias), upstream)
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(ours, reference, **tolerance)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_layer_norm_relu_dropout_is_the_composite_with_its_mask(backend):
+    x, weight, bias = _norm_case(torch.float64, n=200, d=64)
+    torch.manual_seed(11)
+    ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.4, training=True)
+    positive = torch.relu(torch.nn.functional.layer_norm(x, (64,), weight, bias, 1e-5))
+    kept = ours != 0
+    torch.testing.assert_close(ours[kept], positive[kept] / 0.6)
+    # Dropped elements are a fraction p of the positive ones (12,800 elements, ~6,000 positive).
+    dropped = ((positive > 0) & ~kept).sum() / (positive > 0).sum()
+    assert abs(dropped.item() - 0.4) < 0.05
+    torch.manual_seed(11)
+    assert torch.equal(ours, layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.4, training=True))
+
+
+def test_layer_norm_relu_dropout_gradcheck_float64(backend):
+    x, weight, bias = _norm_case(torch.float64, n=12, d=9)
+    inputs = tuple(t.requires_grad_(True) for t in (x, weight, bias))
+
+    def fixed_mask(*args):
+        torch.manual_seed(3)  # the same mask on every evaluation
+        return layer_norm_relu_dropout(*args, 1e-5, 0.3, training=True)
+
+    assert torch.autograd.gradcheck(fixed_mask, inputs)
+
+
+def test_layer_norm_relu_dropout_mask_does_not_depend_on_thread_count(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "numba")
+    monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+    x, weight, bias = _norm_case(torch.float32, n=301, d=77)
+    previous, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(5)
+            x_grad = x.clone().requires_grad_(True)
+            out = layer_norm_relu_dropout(x_grad, weight, bias, 1e-5, 0.3, training=True)
+            out.backward(torch.ones_like(out))
+            results.append((out, x_grad.grad))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])

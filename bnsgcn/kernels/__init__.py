@@ -1,7 +1,7 @@
 """Aggregation kernels: sparse-dense products and GAT attention over a CSR adjacency.
 
 Public API: :class:`Adjacency` (CSR plus its transpose, built once), :func:`spmm`
-(``Y = A X``) and :func:`gat_aggregate` (multi-head attention aggregation). Both are
+(``Y = A X``; :func:`spmm_add_` adds it into an existing tensor) and :func:`gat_aggregate` (multi-head attention aggregation). Both are
 differentiable; their backward passes run over the prebuilt transpose, so nothing is
 transposed or converted at run time.
 
@@ -14,13 +14,15 @@ every call.
 
 CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse``).
 
-:func:`dropout` is here too: on CPU it draws its mask far faster than torch's dropout.
+:func:`dropout` is here too: on CPU it draws its mask far faster than torch's dropout;
+:func:`layer_norm_relu_dropout` fuses the step between hidden layers into one pass each way.
 """
 
 from .adjacency import Adjacency
 from .backend import ENV_VAR, kernel_backend
 from .dropout import dropout
 from .gat import gat_aggregate
-from .spmm import spmm
+from .layer_norm import layer_norm_relu_dropout
+from .spmm import spmm, spmm_add_
 
-__all__ = ["Adjacency", "spmm", "gat_aggregate", "dropout", "kernel_backend", "ENV_VAR"]
+__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "layer_norm_relu_dropout", "kernel_backend", "ENV_VAR"]

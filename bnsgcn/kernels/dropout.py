@@ -18,14 +18,14 @@ from torch.autograd.function import once_differentiable
 
 from .backend import kernel_backend
 
-_LEVELS = 1 << 16
+LEVELS = 1 << 16  # distinct 16-bit draws: keep when bits >= round(p * LEVELS)
 
 
 class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
         ctx.scale = 1.0 / (1.0 - p)
-        out, keep = kernel_backend(x.device).dropout(x.contiguous(), round(p * _LEVELS), ctx.scale)
+        out, keep = kernel_backend(x.device).dropout(x.contiguous(), round(p * LEVELS), ctx.scale)
         ctx.save_for_backward(keep)
         return out
 

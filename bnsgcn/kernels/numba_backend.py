@@ -110,13 +110,14 @@ def _prefetch_row(matrix, row, row_length):
 
 
 @_row_parallel(fastmath=_FASTMATH)
-def _spmm_kernel(indptr, indices, values, weighted, x, out, n_blocks):
+def _spmm_kernel(indptr, indices, values, weighted, x, accumulate, out, n_blocks):
     nnz, d = indices.shape[0], x.shape[1]
     one = x.dtype.type(1)
     for block in prange(n_blocks):
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
             out_row = out[v]
-            out_row[:] = 0
+            if not accumulate:
+                out_row[:] = 0
             for j in range(indptr[v], indptr[v + 1]):
                 # Gathered rows are random: request the one _PREFETCH_DISTANCE entries ahead.
                 if j + _PREFETCH_DISTANCE < nnz:
@@ -326,16 +327,24 @@ def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
 
 
-def _spmm_csr(indptr: Tensor, indices: Tensor, values: Tensor | None, x: Tensor, n_rows: int) -> Tensor:
-    out = x.new_empty(n_rows, x.shape[1])
+def _spmm_csr(indptr: Tensor, indices: Tensor, values: Tensor | None, x: Tensor, n_rows: int, out: Tensor | None = None) -> Tensor:
+    """``A x`` into a new tensor, or added into ``out`` (C-contiguous, [n_rows, d]) when given."""
+    accumulate = out is not None
+    if out is None:
+        out = x.new_empty(n_rows, x.shape[1])
     values_array = _or_empty(values, x.dtype)
-    _spmm_kernel(_array(indptr), _array(indices), values_array, values is not None, _array(x), out.numpy(), work=indices.numel() * x.shape[1])
+    _spmm_kernel(_array(indptr), _array(indices), values_array, values is not None, _array(x), accumulate, out.numpy(), work=indices.numel() * x.shape[1])
     return out
 
 
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     """``A x``: ``x [n_cols, d] -> [n_rows, d]``."""
     return _spmm_csr(adj.indptr, adj.indices, adj.values, x, adj.n_rows)
+
+
+def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
+    """``base += A x`` in place, without an ``A x`` temporary; returns ``base``."""
+    return _spmm_csr(adj.indptr, adj.indices, adj.values, x, adj.n_rows, out=base)
 
 
 def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
@@ -495,3 +504,112 @@ def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
     dx = torch.empty_like(dy)
     _masked_scale_kernel(_array(dy).reshape(-1), _array(keep).reshape(-1), scale, dx.numpy().reshape(-1), work=dy.numel())
     return dx
+
+
+# Layer norm -> ReLU -> dropout, one pass each way. Each row's random words are numbered
+# from the row (``words_per_row`` per row), so the mask is the same for any block split.
+@njit(cache=True, fastmath=_FASTMATH)
+def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, scale, out, keep, mean, rstd):
+    n, d = x.shape
+    words_per_row = (d + 3) // 4
+    low16 = np.uint64(0xFFFF)
+    for i in range(n):
+        row = x[i]
+        total = x.dtype.type(0)
+        for j in range(d):
+            total += row[j]
+        mu = total / d
+        squares = x.dtype.type(0)
+        for j in range(d):
+            squares += (row[j] - mu) * (row[j] - mu)
+        r = x.dtype.type(1) / np.sqrt(squares / d + eps)
+        mean[i], rstd[i] = mu, r
+        word = np.uint64(first_word + i * words_per_row)
+        for w in range(words_per_row):  # four 16-bit fields of one draw per four elements
+            bits = _splitmix64(seed, word + np.uint64(w))
+            for t in range(4):  # a fixed trip count: unrolled; the last word may run past d
+                j = 4 * w + t
+                if j < d:
+                    y = (row[j] - mu) * r * weight[j] + bias[j]
+                    kept = ((bits >> np.uint64(16 * t)) & low16) >= threshold and y > 0
+                    keep[i, j] = kept
+                    out[i, j] = y * scale * kept
+
+
+@_row_parallel(fastmath=_FASTMATH)
+def _norm_relu_dropout_kernel(x, weight, bias, eps, seed, threshold, scale, out, keep, mean, rstd, n_blocks):
+    n, d = x.shape
+    words_per_row = (d + 3) // 4
+    eps, scale = x.dtype.type(eps), x.dtype.type(scale)
+    for block in prange(n_blocks):
+        start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
+        _norm_relu_dropout_rows(
+            x[start:stop], weight, bias, eps, seed, start * words_per_row, threshold, scale,
+            out[start:stop], keep[start:stop], mean[start:stop], rstd[start:stop],
+        )
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, dweight, dbias):
+    n, d = x.shape
+    dy = np.empty(d, dtype=x.dtype)
+    xhat = np.empty(d, dtype=x.dtype)
+    for i in range(n):
+        mu, r = mean[i], rstd[i]
+        mean_dxhat = x.dtype.type(0)
+        mean_dxhat_xhat = x.dtype.type(0)
+        for j in range(d):
+            g = dout[i, j] * scale * keep[i, j]
+            h = (x[i, j] - mu) * r
+            dy[j], xhat[j] = g, h
+            dweight[j] += g * h
+            dbias[j] += g
+            mean_dxhat += g * weight[j]
+            mean_dxhat_xhat += g * weight[j] * h
+        mean_dxhat /= d
+        mean_dxhat_xhat /= d
+        for j in range(d):
+            dx[i, j] = r * (dy[j] * weight[j] - mean_dxhat - xhat[j] * mean_dxhat_xhat)
+
+
+@_row_parallel(fastmath=_FASTMATH)
+def _norm_relu_dropout_grad_kernel(dout, x, weight, mean, rstd, keep, scale, dx, dweight, dbias, n_blocks):
+    n, d = x.shape
+    scale = x.dtype.type(scale)
+    # Per-block partial sums of the parameter gradients (float64), added up at the end.
+    dweight_blocks = np.zeros((n_blocks, d))
+    dbias_blocks = np.zeros((n_blocks, d))
+    for block in prange(n_blocks):
+        start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
+        _norm_relu_dropout_grad_rows(
+            dout[start:stop], x[start:stop], weight, mean[start:stop], rstd[start:stop], keep[start:stop],
+            scale, dx[start:stop], dweight_blocks[block], dbias_blocks[block],
+        )
+    for j in range(x.shape[1]):
+        dweight[j] = dweight_blocks[:, j].sum()
+        dbias[j] = dbias_blocks[:, j].sum()
+
+
+def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(out, keep, mean, rstd)``: ``out = relu(layer_norm(x)) * keep * scale`` with ``keep``
+    already zero where the ReLU is; the random bits as in :func:`dropout`."""
+    seed = int(torch.randint(0, 2**62, (1,)))
+    n, d = x.shape
+    out, keep = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
+    mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)
+    _norm_relu_dropout_kernel(
+        _array(x), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold), float(scale),
+        out.numpy(), keep.numpy(), mean.numpy(), rstd.numpy(), work=x.numel(),
+    )
+    return out, keep, mean, rstd
+
+
+def layer_norm_relu_dropout_backward(dout: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`layer_norm_relu_dropout`."""
+    dx = torch.empty_like(x)
+    dweight, dbias = torch.empty(x.shape[1], dtype=torch.float64), torch.empty(x.shape[1], dtype=torch.float64)
+    _norm_relu_dropout_grad_kernel(
+        _array(dout), _array(x), _array(weight.to(x.dtype)), _array(mean), _array(rstd), _array(keep), float(scale),
+        dx.numpy(), dweight.numpy(), dbias.numpy(), work=x.numel(),
+    )
+    return dx, dweight.to(weight.dtype), dbias.to(weight.dtype)

@@ -24,6 +24,28 @@ class _SpMM(torch.autograd.Function):
         return kernel_backend(dy.device).spmm_transposed(adj, dy.contiguous()), None
 
 
+class _SpMMAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, adj: Adjacency) -> Tensor:
+        ctx.adj = adj
+        ctx.mark_dirty(base)
+        return kernel_backend(x.device).spmm_add_(base, adj, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        dx = kernel_backend(dy.device).spmm_transposed(ctx.adj, dy.contiguous()) if ctx.needs_input_grad[1] else None
+        return dy, dx, None
+
+
+def _check(adj: Adjacency, x: Tensor) -> Tensor:
+    if x.dim() != 2 or x.shape[0] != adj.n_cols:
+        raise UserError(f"spmm needs x of shape [n_cols={adj.n_cols}, d], got {list(x.shape)}; check the feature rows")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise UserError(f"spmm supports float32 and float64 features, got {x.dtype}; cast the features")
+    return x.contiguous()
+
+
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     r"""Aggregate :math:`Y = A X`, i.e. :math:`Y_v = \sum_{u \in N(v)} a_{vu} X_u`.
 
@@ -36,11 +58,20 @@ def spmm(adj: Adjacency, x: Tensor) -> Tensor:
         :math:`dX = A^\top dY` through the transposed CSR, and nothing is recorded for the
         backward when ``x`` does not require grad.
     """
-    if x.dim() != 2 or x.shape[0] != adj.n_cols:
-        raise UserError(f"spmm needs x of shape [n_cols={adj.n_cols}, d], got {list(x.shape)}; check the feature rows")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise UserError(f"spmm supports float32 and float64 features, got {x.dtype}; cast the features")
-    x = x.contiguous()
+    x = _check(adj, x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _SpMM.apply(x, adj)
     return kernel_backend(x.device).spmm(adj, x)
+
+
+def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
+    r""":math:`B \mathrel{+}= A X` in place, without an ``A X`` temporary: :func:`spmm` added
+    into ``base`` [n_rows, d] (contiguous, ``x``'s dtype, the output of an operation that
+    does not keep it for its backward). Differentiable w.r.t. ``base`` and ``x``.
+    """
+    x = _check(adj, x)
+    if base.shape != (adj.n_rows, x.shape[1]) or base.dtype != x.dtype or not base.is_contiguous():
+        raise UserError(f"spmm_add_ needs a contiguous {x.dtype} base of shape [{adj.n_rows}, {x.shape[1]}], got {base.dtype} {list(base.shape)}")
+    if torch.is_grad_enabled() and (x.requires_grad or base.requires_grad):
+        return _SpMMAdd.apply(base, x, adj)
+    return kernel_backend(x.device).spmm_add_(base, adj, x)

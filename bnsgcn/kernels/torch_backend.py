@@ -67,6 +67,11 @@ def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     return torch.sparse.mm(a, x)
 
 
+def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
+    """``base += A x`` in place; returns ``base``."""
+    return base.add_(spmm(adj, x))
+
+
 def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     """``A^T y`` through the prebuilt transposed CSR: ``y [n_rows, d] -> [n_cols, d]``."""
     a_t = _csr_tensor(adj.t_indptr, adj.t_indices, _values_or_ones(adj.t_values, adj.nnz, y), (adj.n_cols, adj.n_rows))
@@ -150,3 +155,20 @@ def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
 
 def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
     return (dy * keep).mul_(scale)
+
+
+def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    var, mean = torch.var_mean(x, dim=1, unbiased=False)
+    rstd = torch.rsqrt(var + eps)
+    y = torch.addcmul(bias, (x - mean[:, None]) * rstd[:, None], weight)
+    _, keep = dropout(y, threshold, scale)
+    keep &= y > 0
+    return (y * keep).mul_(scale), keep, mean, rstd
+
+
+def layer_norm_relu_dropout_backward(dout: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dy = masked_scale(dout, keep, scale)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    dxhat = dy * weight
+    dx = (dxhat - dxhat.mean(1, keepdim=True) - xhat * (dxhat * xhat).mean(1, keepdim=True)) * rstd[:, None]
+    return dx, (dy * xhat).sum(0), dy.sum(0)
