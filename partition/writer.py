@@ -93,7 +93,8 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
             and manifest["parts"] == parts
             and manifest["partitioner"] == partitioner
         )
-        same_inputs = manifest["dataset"]["inputs"] == list(inputs)
+        # Sets written before input files were recorded have no "inputs": as if made from none.
+        same_inputs = manifest["dataset"].get("inputs", []) == list(inputs)
         complete = all(
             (out_dir / entry["dir"] / f"{name}.npy").is_file()
             and (out_dir / entry["dir"] / f"{name}.npy").stat().st_size == meta["bytes"]

@@ -20,7 +20,7 @@ import pytest
 import partition.partitioner as partitioner_module
 import partition.writer as writer_module
 from bnsgcn.errors import UserError
-from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest
+from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest, write_manifest
 from partition.graph import Graph, canonical_csr
 from partition.partitioner import assign, method_info, random_assignment, read_assignment
 from partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
@@ -317,6 +317,23 @@ def test_reuse_compares_the_input_files(tmp_path):
     with pytest.raises(UserError, match="other or since changed input files"):
         find_reusable(out, graph.name, 2, info, inputs=input_entries([data]))
     assert find_reusable(out, graph.name, 2, info, force=True, inputs=input_entries([data])) is None
+
+
+def test_set_without_recorded_inputs_counts_as_made_from_none(tmp_path):
+    """Sets written before ``dataset.inputs`` existed: a synthetic one is still reused."""
+    graph = random_graph(120, 500)
+    out = tmp_path / "set"
+    write_set(graph, out, 2)
+    manifest = read_manifest(out)
+    del manifest["dataset"]["inputs"]
+    manifest.pop("format"), manifest.pop("version")
+    write_manifest(out, manifest)
+    info = method_info("metis", "cut", 0)
+    assert find_reusable(out, graph.name, 2, info) == read_manifest(out)
+    data = tmp_path / "graph.bin"
+    data.write_bytes(b"0123")
+    with pytest.raises(UserError, match="other or since changed input files"):
+        find_reusable(out, graph.name, 2, info, inputs=input_entries([data]))
 
 
 def test_truncated_set_is_not_reused(tmp_path):
