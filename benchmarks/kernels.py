@@ -6,6 +6,9 @@ Measures, with the same thread count in one process:
   * effective bandwidth (bytes touched / time) against the measured copy bandwidth;
   * gat_aggregate forward/backward (numba and the pure-torch fallback);
   * Adjacency.select_columns (a random half of the columns kept), numba and torch;
+  * the step between hidden layers, layer norm -> ReLU -> dropout (0.5), forward and
+    backward on [nodes / 2, dim] (a rank's share at 2 ranks): the fused kernel against
+    torch's layer norm and ReLU followed by our dropout;
   * numba first-call times: cold compile (empty cache) and load from the on-disk cache.
 
 Example:
@@ -40,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bnsgcn.errors import UserError  # noqa: E402
-from bnsgcn.kernels import ENV_VAR, Adjacency, gat_aggregate, spmm  # noqa: E402
+from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, layer_norm_relu_dropout, spmm  # noqa: E402
 
 FLOAT_BYTES = 4
 
@@ -167,6 +170,34 @@ def bench_select_columns(adj: Adjacency, repeat: int, backend: str) -> float:
     return seconds
 
 
+def bench_between_layers(rows: int, dim: int, repeat: int) -> dict:
+    """Seconds of layer norm -> ReLU -> dropout, forward and forward + backward, fused and composed."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, dim, generator=g).requires_grad_()
+    norm = torch.nn.LayerNorm(dim)
+    dy = torch.randn(rows, dim, generator=g)
+
+    def fused():
+        return layer_norm_relu_dropout(x, norm.weight, norm.bias, norm.eps, 0.5, training=True)
+
+    def composed():
+        return dropout(torch.relu(norm(x)), 0.5, training=True)
+
+    def forward(step):
+        with torch.no_grad():
+            step()
+
+    return best_times(
+        {
+            "fused_forward_s": lambda: forward(fused),
+            "fused_forward_backward_s": lambda: fused().backward(dy),
+            "composed_forward_s": lambda: forward(composed),
+            "composed_forward_backward_s": lambda: composed().backward(dy),
+        },
+        repeat,
+    )
+
+
 _FIRST_CALL_SCRIPT = """
 import json, time, torch
 torch.set_num_threads({threads})
@@ -231,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     spmm_result["ours_backward_of_roofline"] = spmm_result["ours_backward_GBps"] * 1e9 / bandwidth
     gat = {b: bench_gat(adj, args.heads, args.head_dim, args.repeat, b) for b in ("numba", "torch")}
     select = {b: bench_select_columns(adj, args.repeat, b) for b in ("numba", "torch")}
+    between_layers = bench_between_layers(args.nodes // 2, args.dim, args.repeat)
     compile_times = first_call_times(args.threads)
     result = {
         "date": date.today().isoformat(),
@@ -244,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "spmm": spmm_result,
         "gat": gat,
         "select_columns_half_s": select,
+        "layer_norm_relu_dropout": {"rows": args.nodes // 2, "dim": args.dim, **between_layers},
         "numba_first_call": compile_times,
     }
     text = json.dumps(result, indent=2)

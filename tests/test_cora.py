@@ -37,6 +37,6 @@ def test_cora_accuracy_four_ranks(tmp_path):
     for config in configs:
         summary = json.loads((config.out / "metrics.jsonl").read_text().splitlines()[-1])
         scores.setdefault(config.model, []).append(summary["test_score"])
-    print("cora test scores (best-validation epoch):", json.dumps(scores))  # recorded in docs/benchmarks.md (pytest -s)
+    print("cora test scores (best-validation epoch):", json.dumps(scores))  # recorded in docs/benchmarks.md (pytest -rP)
     for model, _, bar in MODELS:
         assert np.mean(scores[model]) >= bar, (model, scores[model])

@@ -4,8 +4,7 @@ Apart, the three pass over the activation six times (three forward, three backwa
 keep the input, the ReLU's output and the dropout mask for backward. Fused, forward reads
 the input once and writes the result and one mask byte per element (dropped or negative
 before the ReLU); backward recomputes the normalised input from the per-row mean and
-inverse deviation. On a 100,000 x 128 activation with one thread: 0.10 s forward and
-backward against 0.24 s for torch's layer norm, ReLU and our dropout in a row.
+inverse deviation. Measured in docs/benchmarks.md ("Aggregation kernels").
 """
 
 from __future__ import annotations
