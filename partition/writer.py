@@ -18,9 +18,10 @@ one per node here is the project's one self-loop convention.
 
 Memory is ``O(N + E_k)`` per partition on top of the graph (``E_k``: in-edges of partition
 ``k``): no ``N x K`` or ``E x K`` arrays are ever built. Everything is written to a
-temporary sibling directory ``<out>.tmp-<pid>`` and renamed into place at the end, so an
-interrupted run leaves nothing that looks like a valid set; one killed outright leaves
-its temporary directory, which the next run for the same ``<out>`` deletes.
+temporary sibling directory ``<out>.tmp-<host>-<pid>`` and renamed into place at the end,
+so an interrupted run leaves nothing that looks like a valid set; one killed outright
+leaves its temporary directory, which the next run on the same machine for the same
+``<out>`` deletes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -118,11 +120,13 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete ``<out>.tmp-<pid>`` directories left by killed runs (pid no longer running, or ours)."""
+    """Delete ``<out>.tmp-<host>-<pid>`` directories left by killed runs on this machine
+    (pid no longer running, or ours). Other machines' are kept: on a shared file system
+    their pids say nothing here."""
     out_dir = Path(out_dir)
     if not out_dir.parent.is_dir():
         return
-    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp-(\d+)")
+    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)")
     for candidate in out_dir.parent.iterdir():
         match = pattern.fullmatch(candidate.name)
         if match and candidate.is_dir() and not candidate.is_symlink() and not _running_elsewhere(int(match[1])):
@@ -155,7 +159,7 @@ def probe_writable(out_dir: Path) -> None:
 
 
 def _temporary_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
+    return out_dir.parent / f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def write_partition_set(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -395,11 +396,13 @@ def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
     finished.wait()
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        host = socket.gethostname()
         names = {
-            f"set.tmp-{finished.pid}": False,  # its run was killed: removed
-            f"set.tmp-{os.getpid()}": False,  # ours, from a killed run that had our pid: removed
-            f"set.tmp-{running.pid}": True,  # a run still writing: kept
-            f"other.tmp-{finished.pid}": True,  # another set's: kept
+            f"set.tmp-{host}-{finished.pid}": False,  # its run was killed: removed
+            f"set.tmp-{host}-{os.getpid()}": False,  # ours, from a killed run that had our pid: removed
+            f"set.tmp-{host}-{running.pid}": True,  # a run still writing: kept
+            f"set.tmp-other-{host}-{finished.pid}": True,  # another machine's (pids mean nothing here): kept
+            f"other.tmp-{host}-{finished.pid}": True,  # another set's: kept
             "set.tmp-notes": True,  # not ours at all: kept
         }
         for name in names:

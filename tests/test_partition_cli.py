@@ -221,7 +221,7 @@ def test_sigterm_while_writing_cleans_up(tmp_path):
     assert result.returncode == 143, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM); no partition set was written"
     assert "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == []  # neither <out>.tmp-<pid> nor the parent made for it
+    assert list(tmp_path.iterdir()) == []  # neither <out>.tmp-<host>-<pid> nor the parent made for it
 
 
 # bnsgcn-partition whose METIS (a stand-in that sleeps) reports where it runs, and which
