@@ -404,7 +404,9 @@ def test_layer_norm_relu_without_dropout_matches_torch(backend, dtype):
     x.requires_grad_(True)
     weight.requires_grad_(True)
     bias.requires_grad_(True)
+    generator_state = torch.get_rng_state()
     ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.5, training=False)
+    assert torch.equal(torch.get_rng_state(), generator_state)  # no dropout: nothing drawn
     reference = torch.relu(torch.nn.functional.layer_norm(x, (x.shape[1],), weight, bias, 1e-5))
     upstream = torch.randn_like(ours)
     grads = torch.autograd.grad(ours, (x, weight, bias), upstream)

@@ -526,7 +526,8 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
         mean[i], rstd[i] = mu, r
         word = np.uint64(first_word + i * words_per_row)
         for w in range(words_per_row):  # four 16-bit fields of one draw per four elements
-            bits = _splitmix64(seed, word + np.uint64(w))
+            # Without dropout (threshold 0) every field is kept: no draw needed.
+            bits = _splitmix64(seed, word + np.uint64(w)) if threshold else np.uint64(0)
             for t in range(4):  # a fixed trip count: unrolled; the last word may run past d
                 j = 4 * w + t
                 if j < d:
@@ -592,8 +593,9 @@ def _norm_relu_dropout_grad_kernel(dout, x, weight, mean, rstd, keep, scale, dx,
 
 def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(out, keep, mean, rstd)``: ``out = relu(layer_norm(x)) * keep * scale`` with ``keep``
-    already zero where the ReLU is; the random bits as in :func:`dropout`."""
-    seed = int(torch.randint(0, 2**62, (1,)))
+    already zero where the ReLU is; the random bits as in :func:`dropout` (none drawn
+    without dropout, ``threshold`` 0)."""
+    seed = int(torch.randint(0, 2**62, (1,))) if threshold else 0
     n, d = x.shape
     out, keep = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
     mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)

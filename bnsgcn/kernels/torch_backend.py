@@ -161,8 +161,9 @@ def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
     var, mean = torch.var_mean(x, dim=1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
     y = torch.addcmul(bias, (x - mean[:, None]) * rstd[:, None], weight)
-    _, keep = dropout(y, threshold, scale)
-    keep &= y > 0
+    keep = y > 0
+    if threshold:  # without dropout no random bits are drawn
+        keep &= dropout(y, threshold, scale)[1]
     return (y * keep).mul_(scale), keep, mean, rstd
 
 
