@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from bnsgcn.errors import UserError
 from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
 
-# numba's kernels run serially for one thread or small inputs, in parallel otherwise: both.
-BACKENDS = ("numba-serial", "numba-parallel", "torch")
+# numba's kernels run on one thread for one-thread ranks or small inputs, on several otherwise: both.
+BACKENDS = ("numba-one-thread", "numba-parallel", "torch")
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     name = request.param
     monkeypatch.setenv(ENV_VAR, name.split("-")[0])
-    if name == "numba-serial":
-        monkeypatch.setattr(numba_backend, "_SERIAL_WORK", float("inf"))
+    if name == "numba-one-thread":
+        monkeypatch.setattr(numba_backend, "_ONE_THREAD_WORK", float("inf"))
     elif name == "numba-parallel":
-        monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+        monkeypatch.setattr(numba_backend, "_ONE_THREAD_WORK", 0)
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         request.addfinalizer(lambda: torch.set_num_threads(threads))
@@ -370,9 +375,32 @@ def test_dropout_is_seeded_and_off_outside_training(backend):
     assert dropout(x, 0.0, training=True) is x
 
 
+def test_numba_kernels_leave_torch_thread_count_alone():
+    """numba's OpenMP start-up resets the shared team size to NUMBA_NUM_THREADS: a one-thread
+    rank must keep one torch thread (and run its kernels on one) after its first kernel call.
+    A fresh process, since numba starts its threads once per process."""
+    script = textwrap.dedent(
+        """
+        import torch
+        torch.set_num_threads(1)
+        from bnsgcn.kernels import Adjacency, spmm
+        n = 4096
+        cols = ((torch.arange(n)[:, None] + 97 * torch.arange(8)) % n).sort(dim=1).values.flatten()
+        indptr = torch.arange(0, 8 * n + 1, 8)
+        spmm(Adjacency.from_csr(indptr, cols, n, None), torch.randn(n, 64))
+        import numba
+        print(torch.get_num_threads(), numba.get_num_threads())
+        """
+    )
+    env = os.environ | {"NUMBA_NUM_THREADS": "2", ENV_VAR: "numba"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"], result.stdout
+
+
 def test_dropout_mask_does_not_depend_on_thread_count(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "numba")
-    monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+    monkeypatch.setattr(numba_backend, "_ONE_THREAD_WORK", 0)
     x = torch.randn(301, 77)
     previous, results = torch.get_num_threads(), []
     try:
@@ -444,7 +472,7 @@ def test_layer_norm_relu_dropout_gradcheck_float64(backend):
 
 def test_layer_norm_relu_dropout_mask_does_not_depend_on_thread_count(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "numba")
-    monkeypatch.setattr(numba_backend, "_SERIAL_WORK", 0)
+    monkeypatch.setattr(numba_backend, "_ONE_THREAD_WORK", 0)
     x, weight, bias = _norm_case(torch.float32, n=301, d=77)
     previous, results = torch.get_num_threads(), []
     try:
