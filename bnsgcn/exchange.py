@@ -133,10 +133,6 @@ class BoundaryExchange:
         flight.rows = _Send.apply(x_inner, flight, recv)
         return flight
 
-    def __call__(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> torch.Tensor:
-        """:meth:`start`, then wait: the rows of sampled boundary nodes."""
-        return self.start(x_inner, plan, slot, category).wait()
-
 
 class InFlightRows:
     """One layer's boundary exchange while its all-to-all runs: forward rows, then backward
