@@ -26,6 +26,9 @@ COLUMNS = (
     + tuple(f"time_{t}" for t in TIMES)
     + tuple(f"sent_{c}" for c in CATEGORIES)
     + tuple(f"received_{c}" for c in CATEGORIES)
+    # all-to-all bytes sent to ranks on this node / on other nodes (a part of sent_*)
+    + tuple(f"intra_node_{c}" for c in CATEGORIES)
+    + tuple(f"inter_node_{c}" for c in CATEGORIES)
     + ("saved_activation_bytes",)
 )
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
@@ -65,6 +68,8 @@ class EpochAccount:
         for c in CATEGORIES:
             self.values[f"sent_{c}"] += stats.sent.get(c, 0)
             self.values[f"received_{c}"] += stats.received.get(c, 0)
+            self.values[f"intra_node_{c}"] += stats.sent_intra.get(c, 0)
+            self.values[f"inter_node_{c}"] += stats.sent_inter.get(c, 0)
         # The selections all-to-all runs inside the sampling step; its time (mostly waiting
         # for the slowest rank) is communication, not sampling work.
         self.values["time_exchange_selections"] += stats.seconds.get("selections", 0.0)

@@ -2,7 +2,10 @@
 
 Every collective goes through :class:`Comm`, which also counts the bytes each rank sends
 and receives per category (``features``, ``gradients``, ``selections``, ``reduction``,
-``control``) and the seconds spent inside collectives, for the reports. Tensors handed to
+``control``) and the seconds spent inside collectives, for the reports. The bytes an
+all-to-all sends are also split by where the peer runs: on this rank's node
+(``sent_intra``) or on another node (``sent_inter``, what crosses the network between
+machines). All-reduce bytes are not split: which links they cross is the backend's choice. Tensors handed to
 a collective must already be on :attr:`Comm.device` (NCCL rejects CPU tensors); Comm
 refuses any other, on every backend and world size, so a test can declare another device
 to see where callers put what they send, without a GPU.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,27 +34,70 @@ class CommStats:
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    sent_intra: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent_inter: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self.seconds.clear()
+        for counter in (self.sent, self.received, self.seconds, self.sent_intra, self.sent_inter):
+            counter.clear()
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which machine (node) each rank runs on, as the launch says (see :func:`node_key`).
+
+    ``node_of[r]``: node index of rank r (nodes numbered in order of their first rank);
+    ``members[n]``: the ranks of node n, ascending.
+    """
+
+    node_of: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_keys(cls, keys: list[str]) -> Nodes:
+        index: dict[str, int] = {}
+        node_of = tuple(index.setdefault(key, len(index)) for key in keys)
+        return cls(node_of, tuple(tuple(r for r, n in enumerate(node_of) if n == node) for node in range(len(index))))
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    @property
+    def spans_machines_with_shared_nodes(self) -> bool:
+        """More than one node, and more than one rank on some node: where relaying pays."""
+        return self.count > 1 and any(len(m) > 1 for m in self.members)
 
 
 class Comm:
     """One rank's view of the job: rank, world size, device and the collectives it uses."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float):
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float, nodes: Nodes | None = None):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
         self.timeout = timeout
         self.stats = CommStats()
+        self.nodes = nodes or Nodes.from_keys([""] * world_size)
+        self.node = self.nodes.node_of[rank]
+        self.node_ranks = self.nodes.members[self.node]
+        self.node_rank = self.node_ranks.index(rank)
         # Gradient buckets are reduced asynchronously during backward while the boundary
         # exchange also runs there; a group of their own keeps the two streams of
         # collectives from interleaving.
-        self.reduce_group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout)) if world_size > 1 else None
+        self.reduce_group = self._new_group() if world_size > 1 else None
+        # One group per node for relaying boundary rows inside a node (every rank must
+        # create every group, in the same order).
+        self.node_group = None
+        if self.nodes.spans_machines_with_shared_nodes:
+            for members in self.nodes.members:
+                group = self._new_group(list(members))
+                if rank in members:
+                    self.node_group = group
+
+    def _new_group(self, ranks: list[int] | None = None):
+        return dist.new_group(ranks, backend=dist.get_backend(), timeout=timedelta(seconds=self.timeout))
 
     @property
     def backend(self) -> str:
@@ -68,24 +115,36 @@ class Comm:
         self.stats.received[category] += received
         self.stats.seconds[category] += seconds
 
-    def all_to_all_start(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> dist.Work | None:
+    def all_to_all_start(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str, within_node: bool = False
+    ) -> dist.Work | None:
         """Start moving rows ``send[sum(send_counts[:r]) : ...]`` to rank r; rank r's rows land
         in ``out`` likewise once :meth:`wait` returns. Both buffers must stay untouched until then.
 
         ``send`` [sum(send_counts), *row], ``out`` [sum(recv_counts), *row] (contiguous).
+        ``within_node``: among the ranks of this node only (:attr:`node_group`), counts
+        indexed by position in :attr:`node_ranks`.
         """
         self._check_device(send, out)
         row_bytes = send.element_size() * math.prod(send.shape[1:])
-        own = send_counts[self.rank]
-        self._count(category, (sum(send_counts) - own) * row_bytes, (sum(recv_counts) - recv_counts[self.rank]) * row_bytes, 0.0)
-        if self.world_size == 1:
+        peers = self.node_ranks if within_node else range(self.world_size)
+        me = self.node_rank if within_node else self.rank
+        self._count(category, (sum(send_counts) - send_counts[me]) * row_bytes, (sum(recv_counts) - recv_counts[me]) * row_bytes, 0.0)
+        for peer, count in zip(peers, send_counts):
+            if peer != self.rank:
+                split = self.stats.sent_intra if self.nodes.node_of[peer] == self.node else self.stats.sent_inter
+                split[category] += count * row_bytes
+        if len(peers) == 1:
             out.copy_(send)
             return None
-        return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, async_op=True)
+        group = self.node_group if within_node else None
+        return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True)
 
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str) -> torch.Tensor:
+    def all_to_all(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str, within_node: bool = False
+    ) -> torch.Tensor:
         """:meth:`all_to_all_start`, then wait for it; returns ``out``."""
-        self.wait(self.all_to_all_start(send, send_counts, recv_counts, out, category), category)
+        self.wait(self.all_to_all_start(send, send_counts, recv_counts, out, category, within_node), category)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, category: str = "control") -> torch.Tensor:
@@ -113,6 +172,19 @@ class Comm:
             start = time.perf_counter()
             work.wait()
             self.stats.seconds[category] += time.perf_counter() - start
+
+    def all_gather_within_node(self, tensor: torch.Tensor, category: str) -> torch.Tensor:
+        """Every rank of this node's ``tensor`` (same shape on each): [len(node_ranks), *shape]."""
+        self._check_device(tensor)
+        if len(self.node_ranks) == 1:
+            return tensor.unsqueeze(0).clone()
+        start = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in self.node_ranks]
+        dist.all_gather(parts, tensor, group=self.node_group)
+        nbytes = tensor.numel() * tensor.element_size() * (len(self.node_ranks) - 1)
+        self._count(category, nbytes, nbytes, time.perf_counter() - start)
+        self.stats.sent_intra[category] += nbytes
+        return torch.stack(parts)
 
     def all_gather_object(self, obj: object) -> list:
         if self.world_size == 1:
@@ -150,6 +222,17 @@ def _env_int(name: str) -> int:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def node_key(environ: dict[str, str] | None = None) -> str:
+    """Which machine this rank runs on, as its launch says: ``GROUP_RANK`` (set by
+    bnsgcn-train's launcher from ``--node-rank``, and by torchrun), else ``SLURM_NODEID``
+    (one srun task per rank), else the host name. Ranks with equal keys share a node."""
+    environ = os.environ if environ is None else environ
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if name in environ:
+            return f"{name}={environ[name]}"
+    return f"host={socket.gethostname()}"
+
+
 def init_from_env(device: str, timeout: float) -> Comm:
     """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
@@ -185,4 +268,8 @@ def init_from_env(device: str, timeout: float) -> Comm:
         timeout=timedelta(seconds=timeout),
         device_id=torch_device if backend == "nccl" else None,
     )
-    return Comm(rank, world_size, local_rank, torch_device, timeout)
+    keys = [node_key()]
+    if world_size > 1:
+        keys = [None] * world_size
+        dist.all_gather_object(keys, node_key())
+    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys))

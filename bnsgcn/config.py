@@ -9,6 +9,7 @@ from pathlib import Path
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
+EXCHANGES = ("direct", "hierarchical", "auto")
 NORMS = ("layer", "batch", "none")
 
 
@@ -34,6 +35,7 @@ class TrainConfig:
     out: Path | None = None
     log_json: Path | None = None
     timeout: float = 300.0
+    exchange: str = "auto"  # direct | hierarchical | auto
     bucket_mb: float = 8.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -53,10 +55,10 @@ class TrainConfig:
         """Size of a gradient all-reduce bucket (see :class:`bnsgcn.reducer.GradientReducer`)."""
         return int(self.bucket_mb * 2**20)
 
-    def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
+    def resolved(self, run_dir: Path, device: str, threads: int, exchange: str) -> TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
-        directory, device type and threads (what config.json records)."""
-        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads)
+        directory, device type, threads and exchange (what config.json records)."""
+        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, exchange=exchange)
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -92,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, help="run directory (default: a new runs/<timestamp>)")
     g.add_argument("--log-json", type=Path, help="also write the per-epoch JSON lines here")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait before the job fails (default 300)")
+    g.add_argument(
+        "--exchange", default="auto",
+        help="direct | hierarchical | auto: boundary rows cross between machines once per remote node and are relayed "
+        "inside it (hierarchical), or once per rank that needs them (direct); auto = hierarchical when the job spans "
+        "several machines and some machine runs several ranks (default auto)",
+    )
     g.add_argument("--bucket-mb", type=float, default=8.0, help="MiB of parameter gradients per all-reduce bucket (default 8)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
@@ -133,6 +141,8 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"--bucket-mb {c.bucket_mb} must be positive (MiB)")
     if c.resume and c.out is None:
         raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
+    if c.exchange not in EXCHANGES:
+        raise UserError(f"unknown exchange {c.exchange!r}; choose --exchange from {', '.join(EXCHANGES)}")
     if c.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

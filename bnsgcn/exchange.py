@@ -2,7 +2,9 @@
 
 Forward, each owner sends the rows of its inner nodes that other ranks sampled this
 epoch; backward, the gradients of those rows travel back and are added into the owner's
-inner-row gradients. One all-to-all per layer and direction.
+inner-row gradients. One all-to-all per layer and direction, plus, in a node-aware plan
+(:mod:`bnsgcn.hierarchy`), one more among the ranks of each node that relays rows which
+crossed the network once to the other ranks of the node needing them.
 """
 
 from __future__ import annotations
@@ -16,21 +18,40 @@ from .shard import Topology, segment_counts
 
 
 @dataclass(frozen=True)
-class ExchangePlan:
-    """Who sends which rows to whom this epoch.
+class Relay:
+    """The second, node-local stage of a node-aware plan.
 
-    ``send_index`` int64 [sum(send_counts)]: inner rows to send, grouped by destination
-    rank; ``recv_counts[q]``: rows arriving from rank q, in the order of the sampled
-    boundary nodes owned by q.
+    ``send_index`` int64 [sum(send_counts)]: rows of the first stage's receive buffer to hand
+    on, grouped by destination (``send_counts[l]`` to the l-th rank of this node);
+    ``recv_counts[l]``: rows arriving from the l-th rank of this node. ``order`` int64
+    [n_rows]: for each sampled boundary node, in column order, its row in the first stage's
+    rows followed by the relayed ones (a permutation: every row received is used once).
     """
 
     send_index: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
+    order: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Who sends which rows to whom this epoch.
+
+    ``send_index`` int64 [sum(send_counts)]: inner rows to send, grouped by destination
+    rank; ``recv_counts[q]``: rows arriving from rank q. Without ``relay`` these are the
+    sampled boundary nodes owned by q, in column order; with it, see :class:`Relay`.
+    """
+
+    send_index: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    relay: Relay | None = None
 
     @property
     def num_received(self) -> int:
-        return sum(self.recv_counts)
+        """Rows of sampled boundary nodes this rank receives (both stages)."""
+        return sum(self.recv_counts) + (sum(self.relay.recv_counts) if self.relay else 0)
 
 
 def full_plan(topology: Topology, device: torch.device) -> ExchangePlan:
@@ -38,24 +59,36 @@ def full_plan(topology: Topology, device: torch.device) -> ExchangePlan:
     return ExchangePlan(topology.send_nodes.to(device), list(topology.send_counts), list(topology.boundary_counts))
 
 
-def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> ExchangePlan:
-    """The plan for boundary columns ``keep`` (bool [n_boundary]) drawn with probability ``p``.
+def empty_plan(topology: Topology, device: torch.device) -> ExchangePlan:
+    """No boundary row at all (p = 0)."""
+    zeros = [0] * len(topology.send_counts)
+    return ExchangePlan(torch.empty(0, dtype=torch.int64, device=device), zeros, list(zeros))
 
-    At p = 1 and p = 0 every rank knows the plan already; otherwise ranks tell owners which
-    boundary rows they kept (one bit per boundary node) and learn which rows others want.
-    All ranks must call this together.
+
+def exchange_selections(comm: Comm, topology: Topology, keep: torch.Tensor) -> torch.Tensor:
+    """Tell owners which boundary rows this rank kept (one bit per boundary node) and learn
+    which of its send candidates the others kept: bool [sum(send_counts)] (on the CPU).
+    All ranks must call this together."""
+    # The bits travel on the communication device; packing, unpacking and the topology
+    # stay on the CPU (no-op moves there).
+    kept_bits = pack_segments(keep, topology.boundary_counts).to(comm.device)
+    wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8, device=comm.device)
+    comm.all_to_all(kept_bits, _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
+    return unpack_segments(wanted_bits.cpu(), topology.send_counts)
+
+
+def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> ExchangePlan:
+    """The direct plan for boundary columns ``keep`` (bool [n_boundary]) drawn with
+    probability ``p``: every row travels from its owner straight to each rank that kept it.
+
+    At p = 1 and p = 0 every rank knows the plan already; otherwise the selections are
+    exchanged (:func:`exchange_selections`). All ranks must call this together.
     """
     if p >= 1.0:
         return full_plan(topology, comm.device)
     if p <= 0.0:
-        zeros = [0] * len(topology.send_counts)
-        return ExchangePlan(torch.empty(0, dtype=torch.int64, device=comm.device), zeros, list(zeros))
-    # The bits travel on the communication device; packing, unpacking and the topology
-    # stay on the CPU (no-op moves there).
-    kept_bits = _pack_segments(keep, topology.boundary_counts).to(comm.device)
-    wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8, device=comm.device)
-    comm.all_to_all(kept_bits, _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
-    wanted = _unpack_segments(wanted_bits.cpu(), topology.send_counts)
+        return empty_plan(topology, comm.device)
+    wanted = exchange_selections(comm, topology, keep)
     return ExchangePlan(
         send_index=topology.send_nodes[wanted].to(comm.device),
         send_counts=segment_counts(wanted, topology.send_counts),
@@ -75,7 +108,7 @@ def _padded_positions(counts: list[int]) -> torch.Tensor:
     return torch.arange(int(lengths.sum())) + torch.repeat_interleave(shift, lengths)
 
 
-def _pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """One bit per entry, each segment starting on a byte boundary: uint8 [sum(ceil(n / 8))]."""
     bits = torch.zeros(sum(_packed_sizes(counts)) * 8, dtype=torch.uint8)
     bits[_padded_positions(counts)] = mask.to(torch.uint8)
@@ -83,8 +116,8 @@ def _pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
 
 
-def _unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Inverse of :func:`_pack_segments`: bool [sum(counts)]."""
+def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Inverse of :func:`pack_segments`: bool [sum(counts)]."""
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
     bits = ((packed.view(-1, 1) >> shifts) & 1).view(-1)
     return bits[_padded_positions(counts)].bool()
@@ -118,6 +151,7 @@ class BoundaryExchange:
         self.comm = comm
         self.send_buffer = _Buffer()
         self.grad_buffer = _Buffer()
+        self.relay_grad_buffer = _Buffer()
         self.recv_buffers: dict[int, _Buffer] = {}
 
     def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
@@ -137,7 +171,8 @@ class BoundaryExchange:
 class InFlightRows:
     """One layer's boundary exchange while its all-to-all runs: forward rows, then backward
     gradients. Work done between :meth:`BoundaryExchange.start` and :meth:`wait` (forward),
-    and between the two halves of backward, overlaps the transfer."""
+    and between the two halves of backward, overlaps the transfer (the first stage's: a
+    relay inside the node runs when the first stage is waited for)."""
 
     def __init__(self, exchange: BoundaryExchange, plan: ExchangePlan, category: str) -> None:
         self.exchange, self.plan, self.category = exchange, plan, category
@@ -163,8 +198,10 @@ class _Send(torch.autograd.Function):
         row = tuple(x_inner.shape[1:])
         send = exchange.send_buffer.view((plan.send_index.numel(), *row), x_inner)
         torch.index_select(x_inner, 0, plan.send_index, out=send)
+        # Both stages' rows land in one buffer: the network's first, the relayed after them.
         out = recv.view((plan.num_received, *row), x_inner)
-        flight.work = exchange.comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, out, flight.category)
+        first = out[: sum(plan.recv_counts)]
+        flight.work = exchange.comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, first, flight.category)
         return out
 
     @staticmethod
@@ -178,24 +215,46 @@ class _Send(torch.autograd.Function):
 
 
 class _Receive(torch.autograd.Function):
-    """Forward: wait for the rows. Backward: start sending their gradients to the owners."""
+    """Forward: wait for the rows (and relay them inside the node). Backward: start sending
+    their gradients to the owners (after summing relayed ones at the rank that relayed)."""
 
     @staticmethod
     def forward(ctx, rows, flight):  # noqa: D102
         ctx.flight = flight
-        flight.exchange.comm.wait(flight.work, flight.category)
+        plan, exchange = flight.plan, flight.exchange
+        exchange.comm.wait(flight.work, flight.category)
         flight.work = None
-        return rows.view_as(rows)
+        relay = plan.relay
+        if relay is None:
+            return rows.view_as(rows)
+        first = sum(plan.recv_counts)
+        # The first stage's send buffer is free again: it carries the relayed rows.
+        hand_on = exchange.send_buffer.view((relay.send_index.numel(), *rows.shape[1:]), rows)
+        torch.index_select(rows[:first], 0, relay.send_index, out=hand_on)
+        exchange.comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, rows[first:], flight.category, within_node=True)
+        return rows.index_select(0, relay.order)
 
     @staticmethod
     def backward(ctx, grad_rows):  # noqa: D102
         flight = ctx.flight
         plan, exchange = flight.plan, flight.exchange
-        flight.grad_rows = grad_rows.contiguous()
+        relay = plan.relay
+        grad_rows = grad_rows.contiguous()
+        if relay is not None:
+            # Back to buffer order, then the relayed rows' gradients to the ranks that relayed
+            # them, which add them to their own before one row per node crosses the network.
+            arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
+            first = sum(plan.recv_counts)
+            relayed = exchange.relay_grad_buffer.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows)
+            exchange.comm.all_to_all(arrived[first:], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True)
+            grad_rows = arrived
+            arrived[:first].index_add_(0, relay.send_index, relayed)
+        flight.grad_rows = grad_rows
+        first_grads = grad_rows[: sum(plan.recv_counts)]
         row = tuple(grad_rows.shape[1:])
         flight.grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_rows)
-        flight.work = exchange.comm.all_to_all_start(flight.grad_rows, plan.recv_counts, plan.send_counts, flight.grad_send, "gradients")
-        return flight.grad_rows, None
+        flight.work = exchange.comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, flight.grad_send, "gradients")
+        return grad_rows, None
 
 
 @torch.no_grad()

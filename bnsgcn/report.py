@@ -40,6 +40,8 @@ BALANCE = {
     "sampled_boundary": ("sampled boundary/epoch", ""),
     "bytes_sent": ("sent/epoch", "MiB"),
     "bytes_received": ("received/epoch", "MiB"),
+    "bytes_intra_node": ("sent in node/epoch", "MiB"),
+    "bytes_inter_node": ("sent across nodes/epoch", "MiB"),
     "epoch_time": ("epoch time", "s"),
     "time_sampling": ("sampling time", "s"),
     "time_exchange": ("exchange time", "s"),
@@ -95,6 +97,8 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
         rank["sampled_boundary"] = means["sampled_boundary"]
         rank["bytes_sent"] = sum(v for k, v in means.items() if k.startswith("sent_"))
         rank["bytes_received"] = sum(v for k, v in means.items() if k.startswith("received_"))
+        rank["bytes_intra_node"] = sum(v for k, v in means.items() if k.startswith("intra_node_"))
+        rank["bytes_inter_node"] = sum(v for k, v in means.items() if k.startswith("inter_node_"))
         rank["epoch_time"] = means["epoch_time"]
         rank["time_sampling"] = means["time_sampling"]
         rank["time_exchange"] = sum(means.get(f"time_exchange_{d}", 0.0) for d in ("selections", "forward", "backward"))

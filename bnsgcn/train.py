@@ -26,9 +26,10 @@ from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, resident_bytes
 from .comm import Comm, init_from_env
 from .config import TrainConfig
 from .errors import UserError
-from .exchange import BoundaryExchange, fetch_boundary, full_plan, make_plan
+from .exchange import BoundaryExchange, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
+from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mode
 from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
@@ -46,6 +47,7 @@ class GraphInputs:
 
     topology: Topology
     graph: ShardGraph
+    planner: DirectPlanner | NodeAwarePlanner
     features: Tensor
     x_agg: Tensor | None
     labels: Tensor
@@ -96,13 +98,14 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
 
 def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topology, features: Tensor, labels: Tensor, train_mask: Tensor) -> GraphInputs:
     graph = ShardGraph(topology, config.model, comm.device)
+    planner = make_planner(comm, topology, resolve_mode(config.exchange, comm))
     x_agg = None
     if config.use_precompute:
         # The first layer's aggregation never changes: compute it once over the full graph.
         boundary_x = fetch_boundary(comm, topology, features)
         with torch.no_grad():
             x_agg = spmm_add_(spmm(graph.inner, features), graph.boundary, boundary_x)
-    return GraphInputs(topology, graph, features, x_agg, labels, train_mask)
+    return GraphInputs(topology, graph, planner, features, x_agg, labels, train_mask)
 
 
 def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInputs:
@@ -162,7 +165,11 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     # Only input that passed every check gets a run directory: a failed start leaves none.
     run_dir = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
-    log.info("partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s)", comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend)
+    exchange_mode = resolve_mode(config.exchange, comm)
+    log.info(
+        "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
+        comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, exchange_mode,
+    )
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
@@ -181,9 +188,10 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
             optimizer.load_state_dict(state["optimizer"])
             start_epoch, best = state["epoch"], state["best"]
             log.info("resumed from epoch %d", start_epoch)
-    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads())
+    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads(), exchange_mode)
     if comm.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(resolved.to_json() | {"world_size": comm.world_size}, indent=1) + "\n")
+        layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members]}
+        (run_dir / "config.json").write_text(json.dumps(resolved.to_json() | layout, indent=1) + "\n")
     metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
     metrics = MetricsWriter(metric_paths, keep_epochs=start_epoch) if comm.rank == 0 else None
 
@@ -196,7 +204,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
         t0 = time.perf_counter()
         with account.timed("sampling"):  # sample -> exchange selections -> this epoch's graph
             keep = sample_boundary(train_inputs.topology.boundary_counts, config.p, config.seed, comm.rank, epoch)
-            plan = make_plan(comm, train_inputs.topology, keep, config.p)
+            plan = train_inputs.planner.sample(keep, config.p)
             g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
         model.train()
         torch.manual_seed(derive_seed(config.seed, comm.rank, epoch, 1))  # dropout
@@ -271,6 +279,10 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
         "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
         "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),
         "bytes_sent_by_kind": {c: int(col(f"sent_{c}").sum()) for c in CATEGORIES},
+        # all-to-all bytes by where the receiving rank runs (all-reduce bytes not included)
+        "bytes_intra_node": int(sum(col(f"intra_node_{c}").sum() for c in CATEGORIES)),
+        "bytes_inter_node": int(sum(col(f"inter_node_{c}").sum() for c in CATEGORIES)),
+        "bytes_inter_node_by_kind": {c: int(col(f"inter_node_{c}").sum()) for c in CATEGORIES},
     }
 
 
@@ -278,9 +290,8 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
 def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchange: BoundaryExchange) -> dict[str, float]:
     """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
     model.eval()
-    topo = inputs.topology
-    keep = torch.ones(topo.n_boundary, dtype=torch.bool)
-    g = inputs.graph.epoch(keep, 1.0, full_plan(topo, comm.device), exchange, traffic="evaluation")
+    keep = torch.ones(inputs.topology.n_boundary, dtype=torch.bool)
+    g = inputs.graph.epoch(keep, 1.0, inputs.planner.full(), exchange, traffic="evaluation")
     logits = model(inputs.features, g, inputs.x_agg)
     counts = comm.all_reduce(_score_counts(logits, shard).to(comm.device)).cpu()
     return _scores(counts, shard.multilabel)

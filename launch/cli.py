@@ -153,6 +153,7 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     # the user exported wins.
     shared_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
         "MASTER_ADDR": args.master_addr,
+        "GROUP_RANK": str(args.node_rank),  # which machine, as torchrun says it: the engine groups ranks by node
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(local),
