@@ -52,8 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, ranks_per_node: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % ranks_per_node), GROUP_RANK=str(rank // ranks_per_node))
+def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int]) -> None:
+    local_rank = nodes[:rank].count(nodes[rank])
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), GROUP_RANK=str(nodes[rank]))
     torch.set_num_threads(1)
     from bnsgcn.train import run
 
@@ -69,17 +70,16 @@ def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[in
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, ranks_per_node: int | None = None) -> list[list[dict]]:
+def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None) -> list[list[dict]]:
     """Run each config as a job of ``world`` ranks (processes); return results[rank][config].
 
-    ``ranks_per_node``: the ranks play nodes of this many ranks each (``GROUP_RANK``, as a
-    multi-node launch sets it); default one node.
+    ``nodes[r]``: the node rank r plays (``GROUP_RANK``, as a multi-node launch sets it);
+    default all on one node.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port() for _ in configs]
-    per_node = ranks_per_node or world
-    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, per_node)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world)) for r in range(world)]
     for p in procs:
         p.start()
     results: list = [None] * world
