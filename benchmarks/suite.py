@@ -24,7 +24,10 @@ threads per rank (at least 1), and the one-process references with ``cores`` thr
 
 Epoch time is the median over the epochs after the first (warm-up) that do not evaluate,
 of the slowest rank's epoch. Bytes per epoch are the features, gradients and selections
-sent by all ranks, averaged over the epochs. The targets of issue 4 are computed from one
+sent by all ranks, averaged over the epochs. Every training run also gets its time to
+accuracy (:mod:`benchmarks.accuracy`): epochs and training seconds until its validation
+score reaches 99% of the best of the p = 1 run of the same group, graph, model and ranks
+(null where it evaluated only once, as the scaling runs do). The targets of issue 4 are computed from one
 invocation (:func:`targets`). Results go to ``--out`` as JSON (rewritten after every run,
 so an interrupted suite keeps what it measured), figures next to it when matplotlib is
 installed, and markdown tables to stdout.
@@ -52,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable from a checkout without installing the package
     sys.path.insert(0, str(REPO))
 
+from benchmarks.accuracy import attach_time_to_accuracy, validation_curve  # noqa: E402
 from bnsgcn import report  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
 
@@ -263,6 +267,7 @@ def read_train_run(run_dir: Path) -> dict:
         "best_val_score": summary.get("best_val_score"),
         "test_score": summary.get("test_score"),
         "epochs_timed": len(timed),
+        "val_curve": validation_curve(epochs),
     }
 
 
@@ -351,6 +356,11 @@ def targets(results: list[dict], preset: Preset) -> dict:
     return out
 
 
+def same_configuration(run: dict) -> tuple:
+    """Everything of a training run but p: the runs whose p = 1 run sets the accuracy target."""
+    return (run["group"], run["spec"], run["ranks"], run["model"], run["epochs"], tuple(run["flags"]))
+
+
 def write_json(path: Path, document: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -391,8 +401,9 @@ def render(document: dict) -> str:
 
     accuracy = [r for r in results if r["group"] == "accuracy"]
     if accuracy:
-        rows = [[f"{r['p']:g}", f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}", f"{r['epoch_time_s']:.3f}"] for r in accuracy]
-        out += ["Accuracy against p:", "", _table(["p", "best val", "test at best val", "epoch (s)"], rows), ""]
+        rows = [[f"{r['p']:g}", f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}", f"{r['epoch_time_s']:.3f}", time_to_accuracy_cell(r)] for r in accuracy]
+        head = ["p", "best val", "test at best val", "epoch (s)", "to 99% of p = 1's best val: epochs / s"]
+        out += ["Accuracy against p:", "", _table(head, rows), ""]
 
     rows = []
     t = document["targets"]
@@ -416,6 +427,16 @@ def render(document: dict) -> str:
     if failed:
         out += ["", "Failed runs: " + ", ".join(failed)]
     return "\n".join(out)
+
+
+def time_to_accuracy_cell(run: dict) -> str:
+    """``epochs / seconds`` to the target, ``not reached``, or ``-`` (no target: see benchmarks.accuracy)."""
+    reached = run.get("time_to_accuracy")
+    if reached is None:
+        return "-"
+    if reached["epochs"] is None:
+        return f"not reached ({reached['target']:.4f})"
+    return f"{reached['epochs']} / {reached['seconds']:.2f}"
 
 
 def _met(met: bool) -> str:
@@ -497,6 +518,7 @@ def run_suite(preset: Preset, work: Path, out: Path, command: str, only: set[str
             print(f"  failed: {error}", file=sys.stderr)
         document["runs"].append(entry)
         attach_baselines(document["runs"])
+        attach_time_to_accuracy(document["runs"], same_configuration)
         document["targets"] = targets(document["runs"], preset)
         write_json(out, document)
     return document

@@ -88,6 +88,8 @@ def test_two_launched_nodes_hierarchical_equals_direct_with_fewer_inter_node_byt
             # the first layer's input needs no gradient: fewer columns travel back, same rows
             gradient_row_bytes = d["bytes_inter_node_by_kind"]["gradients"] / expect_direct
             assert h["bytes_inter_node_by_kind"]["gradients"] == expect_hier * gradient_row_bytes
+            # plans cost no more between nodes than the direct plan's selections
+            assert h["bytes_inter_node_by_kind"]["selections"] == d["bytes_inter_node_by_kind"]["selections"]
             assert h["bytes_inter_node"] <= d["bytes_inter_node"]
             assert h["bytes_intra_node"] > d["bytes_intra_node"]  # the relayed rows
 
