@@ -6,6 +6,7 @@ import argparse
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from .compress import FORMATS as WIRE_FORMATS
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
@@ -36,6 +37,8 @@ class TrainConfig:
     log_json: Path | None = None
     timeout: float = 300.0
     exchange: str = "auto"  # direct | hierarchical | auto
+    compress: str = "none"  # wire format of boundary rows: none | fp16 | bf16 | int8 | int4
+    compress_grad: str | None = None  # of their gradients; None: as compress
     bucket_mb: float = 8.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -51,6 +54,11 @@ class TrainConfig:
         return self.precompute
 
     @property
+    def grad_wire_format(self) -> str:
+        """Wire format of the boundary rows' gradients."""
+        return self.compress if self.compress_grad is None else self.compress_grad
+
+    @property
     def bucket_bytes(self) -> int:
         """Size of a gradient all-reduce bucket (see :class:`bnsgcn.reducer.GradientReducer`)."""
         return int(self.bucket_mb * 2**20)
@@ -58,7 +66,7 @@ class TrainConfig:
     def resolved(self, run_dir: Path, device: str, threads: int, exchange: str) -> TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
         directory, device type, threads and exchange (what config.json records)."""
-        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, exchange=exchange)
+        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, exchange=exchange, compress_grad=self.grad_wire_format)
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -100,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "inside it (hierarchical), or once per rank that needs them (direct); auto = hierarchical when the job spans "
         "several machines and some machine runs several ranks (default auto)",
     )
+    g.add_argument(
+        "--compress", default="none",
+        help="none | fp16 | bf16 | int8 | int4: how boundary rows cross the network (int8/int4: per-row range, "
+        "stochastic rounding; compute stays float32) (default none)",
+    )
+    g.add_argument("--compress-grad", default=None, help="the same for the rows' gradients (default: as --compress)")
     g.add_argument("--bucket-mb", type=float, default=8.0, help="MiB of parameter gradients per all-reduce bucket (default 8)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
@@ -143,6 +157,9 @@ def validate(c: TrainConfig) -> None:
         raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
     if c.exchange not in EXCHANGES:
         raise UserError(f"unknown exchange {c.exchange!r}; choose --exchange from {', '.join(EXCHANGES)}")
+    for flag, value in (("--compress", c.compress), ("--compress-grad", c.grad_wire_format)):
+        if value not in WIRE_FORMATS:
+            raise UserError(f"unknown wire format {flag} {value}; choose from {', '.join(WIRE_FORMATS)}")
     if c.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

@@ -9,11 +9,13 @@ crossed the network once to the other ranks of the node needing them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .comm import Comm
+from .compress import EXACT, WireFormat
 from .shard import Topology, segment_counts
 
 
@@ -129,13 +131,11 @@ class _Buffer:
     def __init__(self) -> None:
         self.storage: torch.Tensor | None = None
 
-    def view(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
         s = self.storage
-        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
-            self.storage = s = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+        if s is None or s.numel() < numel or s.dtype != dtype or s.device != device:
+            self.storage = s = torch.empty(max(numel, 1), dtype=dtype, device=device)
         return s[:numel].view(shape)
 
 
@@ -144,13 +144,19 @@ class BoundaryExchange:
 
     Send and gradient-receive buffers are only alive during a collective and are shared
     by all layers; each layer keeps its own receive buffer because the rows it receives
-    may be saved for its backward (GAT).
+    may be saved for its backward (GAT). ``rows_format`` and ``grads_format`` say how rows
+    and their gradients cross the network during training (:mod:`bnsgcn.compress`);
+    evaluation's rows (category ``evaluation``) always travel exact. A relay inside a node
+    hands rows on as they arrived, and sums gradients in float32 before they cross.
     """
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: Comm, rows_format: WireFormat | None = None, grads_format: WireFormat | None = None) -> None:
         self.comm = comm
+        self.rows_format = rows_format or EXACT
+        self.grads_format = grads_format or EXACT
         self.send_buffer = _Buffer()
         self.grad_buffer = _Buffer()
+        self.grad_send_buffer = _Buffer()
         self.relay_grad_buffer = _Buffer()
         self.recv_buffers: dict[int, _Buffer] = {}
 
@@ -164,7 +170,9 @@ class BoundaryExchange:
         """
         recv = self.recv_buffers.setdefault(slot, _Buffer())
         flight = InFlightRows(self, plan, category)
-        flight.rows = _Send.apply(x_inner, flight, recv)
+        if category != "evaluation":
+            flight.rows_format, flight.grads_format = self.rows_format, self.grads_format
+        flight.token = _Send.apply(x_inner, flight, recv)
         return flight
 
 
@@ -176,63 +184,75 @@ class InFlightRows:
 
     def __init__(self, exchange: BoundaryExchange, plan: ExchangePlan, category: str) -> None:
         self.exchange, self.plan, self.category = exchange, plan, category
-        self.rows: torch.Tensor | None = None
+        self.rows_format = self.grads_format = EXACT
+        self.token: torch.Tensor | None = None  # links _Send and _Receive in the autograd graph
+        self.arrived: torch.Tensor | None = None  # both stages' rows, as they travel
+        self.row: tuple[int, ...] = ()
+        self.dtype = torch.float32
         self.work = None  # the forward all-to-all, then the gradients' one
         self.grad_rows: torch.Tensor | None = None  # kept alive while its all-to-all runs
         self.grad_send: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         """The received rows [plan.num_received, *row] (autograd-connected)."""
-        return _Receive.apply(self.rows, self)
+        return _Receive.apply(self.token, self)
 
 
 class _Send(torch.autograd.Function):
-    """Forward: start the all-to-all of the requested rows. Backward: wait for the gradients
-    that :class:`_Receive`'s backward sent and add them into the owners' rows."""
+    """Forward: start the all-to-all of the requested rows (encoded for the wire); returns
+    an empty token that carries the gradient path to :class:`_Receive`. Backward: wait for
+    the gradients that :class:`_Receive`'s backward sent and add them into the owners' rows."""
 
     @staticmethod
     def forward(ctx, x_inner, flight, recv):  # noqa: D102
         ctx.flight, ctx.n_inner = flight, x_inner.shape[0]
         plan, exchange = flight.plan, flight.exchange
+        wire = flight.rows_format
         x_inner = x_inner.detach()
-        row = tuple(x_inner.shape[1:])
-        send = exchange.send_buffer.view((plan.send_index.numel(), *row), x_inner)
-        torch.index_select(x_inner, 0, plan.send_index, out=send)
+        flight.row, flight.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
+        wire_row, wire_dtype = wire.wire_shape(flight.row), wire.wire_dtype(x_inner.dtype)
+        send = exchange.send_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, x_inner.device)
+        if wire.exact:
+            torch.index_select(x_inner, 0, plan.send_index, out=send)
+        else:
+            wire.encode(x_inner.index_select(0, plan.send_index), send)
         # Both stages' rows land in one buffer: the network's first, the relayed after them.
-        out = recv.view((plan.num_received, *row), x_inner)
-        first = out[: sum(plan.recv_counts)]
+        flight.arrived = recv.view((plan.num_received, *wire_row), wire_dtype, x_inner.device)
+        first = flight.arrived[: sum(plan.recv_counts)]
         flight.work = exchange.comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, first, flight.category)
-        return out
+        return x_inner.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _grad_rows):  # noqa: D102
+    def backward(ctx, _grad_token):  # noqa: D102
         flight = ctx.flight
         flight.exchange.comm.wait(flight.work, "gradients")
-        grad_send = flight.grad_send
+        grads = flight.grads_format.decode(flight.grad_send, flight.row, flight.dtype)
         flight.work = flight.grad_rows = flight.grad_send = None
-        grad_x = grad_send.new_zeros((ctx.n_inner, *grad_send.shape[1:])).index_add_(0, flight.plan.send_index, grad_send)
+        grad_x = grads.new_zeros((ctx.n_inner, *flight.row)).index_add_(0, flight.plan.send_index, grads)
         return grad_x, None, None
 
 
 class _Receive(torch.autograd.Function):
-    """Forward: wait for the rows (and relay them inside the node). Backward: start sending
-    their gradients to the owners (after summing relayed ones at the rank that relayed)."""
+    """Forward: wait for the rows (and relay them inside the node), decode them. Backward:
+    start sending their gradients to the owners (after summing relayed ones at the rank
+    that relayed)."""
 
     @staticmethod
-    def forward(ctx, rows, flight):  # noqa: D102
+    def forward(ctx, token, flight):  # noqa: D102
         ctx.flight = flight
         plan, exchange = flight.plan, flight.exchange
         exchange.comm.wait(flight.work, flight.category)
         flight.work = None
-        relay = plan.relay
-        if relay is None:
-            return rows.view_as(rows)
-        first = sum(plan.recv_counts)
-        # The first stage's send buffer is free again: it carries the relayed rows.
-        hand_on = exchange.send_buffer.view((relay.send_index.numel(), *rows.shape[1:]), rows)
-        torch.index_select(rows[:first], 0, relay.send_index, out=hand_on)
-        exchange.comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, rows[first:], flight.category, within_node=True)
-        return rows.index_select(0, relay.order)
+        arrived, relay = flight.arrived, plan.relay
+        if relay is not None:
+            first = sum(plan.recv_counts)
+            # The first stage's send buffer is free again: it carries the relayed rows.
+            hand_on = exchange.send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
+            torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
+            exchange.comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], flight.category, within_node=True)
+        rows = flight.rows_format.decode(arrived, flight.row, flight.dtype)
+        flight.arrived = None
+        return rows if relay is None else rows.index_select(0, relay.order)
 
     @staticmethod
     def backward(ctx, grad_rows):  # noqa: D102
@@ -245,16 +265,19 @@ class _Receive(torch.autograd.Function):
             # them, which add them to their own before one row per node crosses the network.
             arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
             first = sum(plan.recv_counts)
-            relayed = exchange.relay_grad_buffer.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows)
+            relayed = exchange.relay_grad_buffer.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
             exchange.comm.all_to_all(arrived[first:], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True)
             grad_rows = arrived
             arrived[:first].index_add_(0, relay.send_index, relayed)
-        flight.grad_rows = grad_rows
         first_grads = grad_rows[: sum(plan.recv_counts)]
-        row = tuple(grad_rows.shape[1:])
-        flight.grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *row), grad_rows)
+        wire = flight.grads_format
+        wire_row, wire_dtype = wire.wire_shape(flight.row), wire.wire_dtype(grad_rows.dtype)
+        if not wire.exact:
+            first_grads = wire.encode(first_grads, exchange.grad_send_buffer.view((first_grads.shape[0], *wire_row), wire_dtype, grad_rows.device))
+        flight.grad_rows = first_grads
+        flight.grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, grad_rows.device)
         flight.work = exchange.comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, flight.grad_send, "gradients")
-        return grad_rows, None
+        return grad_rows.new_zeros(0), None
 
 
 @torch.no_grad()

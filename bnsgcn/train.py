@@ -24,6 +24,7 @@ from torch import Tensor
 from . import checkpoint, report
 from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, resident_bytes, static_figures, tensor_bytes
 from .comm import Comm, init_from_env
+from .compress import WireFormat
 from .config import TrainConfig
 from .errors import UserError
 from .exchange import BoundaryExchange, fetch_boundary
@@ -175,7 +176,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     reducer = GradientReducer(model, comm, config.bucket_bytes)
-    exchange = BoundaryExchange(comm)
+    exchange = BoundaryExchange(comm, WireFormat(config.compress), WireFormat(config.grad_wire_format))
     signature = {"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()}
 
     start_epoch, best = 0, {"val_score": -1.0, "epoch": -1, "test_score": None, "state": None}
