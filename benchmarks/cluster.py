@@ -373,7 +373,9 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{graph_key(self.graph, self.data_dir)}-{self.method}-{self.nodes}x{self.ranks_per_node}-{self.link}-{self.model}-p{self.p:g}-{self.exchange}"
+        name = f"{graph_key(self.graph, self.data_dir)}-{self.method}-{self.nodes}x{self.ranks_per_node}-{self.link}-{self.model}-p{self.p:g}-{self.exchange}"
+        # runs with other training flags are other runs (``-- --compress int8``: "...-compress-int8")
+        return name + "".join(f"-{re.sub(r'[^A-Za-z0-9_.]', '_', flag.lstrip('-'))}" for flag in self.flags)
 
 
 def graph_key(spec: str, data_dir: str | None) -> str:
@@ -654,7 +656,8 @@ def _mib(value: float | None) -> str:
 
 
 def _mode(record: dict) -> str:
-    return record["exchange"]["resolved"] or record["exchange"]["requested"]
+    """The exchange, and the extra training flags where there are any."""
+    return " ".join([record["exchange"]["resolved"] or record["exchange"]["requested"], *record["flags"]])
 
 
 def time_table(records: list[dict]) -> str:
