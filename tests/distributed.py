@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 from pathlib import Path
@@ -47,9 +48,21 @@ def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: ports picked ahead of a run must not
+    be taken meanwhile by the outgoing connections (ephemeral ports) of earlier runs' ranks."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            ephemeral_low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for port in random.Random().sample(range(10000, max(ephemeral_low, 10001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int]) -> None:
