@@ -121,3 +121,14 @@ def test_gradients_of_compressed_rows_reach_their_owners():
     expected[2] = 0 + 2
     expected[0] = 1
     assert torch.equal(x.grad, expected)
+
+
+def test_accuracy_benchmark_summary_states_the_target():
+    from benchmarks.compression import summarise
+
+    runs = [{"graph": "cora", "format": f, "p": 1.0, "seed": s, "test_score": score}
+            for f, scores in (("none", (0.80, 0.82)), ("int8", (0.80, 0.81)), ("fp16", (0.79, 0.80)), ("int4", (0.5, 0.5))) for s, score in enumerate(scores)]
+    rows = {r["format"]: r for r in summarise(runs + [{"graph": "cora", "format": "int8", "p": 1.0, "seed": 9, "error": "x"}])}
+    assert rows["int8"]["points_vs_none"] == pytest.approx(-0.5) and rows["int8"]["met"] is True and rows["int8"]["seeds"] == 2
+    assert rows["fp16"]["points_vs_none"] == pytest.approx(-1.5) and rows["fp16"]["met"] is False
+    assert rows["int4"]["met"] is None  # no target for int4

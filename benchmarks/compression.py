@@ -1,0 +1,112 @@
+"""Accuracy of compressed boundary messages: test accuracy at the best validation epoch,
+mean of several seeds, for every wire format and p, against uncompressed messages.
+
+    python -m benchmarks.compression --data-dir ../shared/data/planetoid --out benchmarks/results/compression.json
+    python -m benchmarks.compression --graphs acc --formats none fp16 int8 --seeds 0 1 2
+    python -m benchmarks.compression --render benchmarks/results/compression.json
+
+Graphs: ``cora`` (public split, METIS into 4 parts, GraphSAGE 2 x 16 as in
+tests/test_cora.py: no norm, dropout 0.5, weight decay 5e-4, 200 epochs, evaluated every 2)
+and ``acc`` (the suite's accuracy graph, where the label lives in the neighbourhood: 8
+random parts, GraphSAGE 2 x 64, no precomputation, 100 epochs, evaluated every 10). Every
+run is ``bnsgcn-train`` on one machine (``--procs``); only the wire format, p and the seed
+change. Target (the compression issue): int8 and fp16 within 0.5 points of none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable from a checkout without installing the package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.suite import ACCURACY, ACCURACY_FLAGS, _table, execute, machine, threads_per_rank, write_json  # noqa: E402
+from bnsgcn.compress import FORMATS  # noqa: E402
+
+# name -> (dataset spec, parts, partitioner, training flags)
+GRAPHS = {
+    "cora": ("cora", 4, "metis", ("--model", "graphsage", "--layers", "2", "--hidden", "16", "--norm", "none", "--dropout", "0.5",
+                                  "--weight-decay", "5e-4", "--epochs", "200", "--eval-every", "2")),
+    "acc": (ACCURACY, 8, "random", ("--model", "graphsage", *ACCURACY_FLAGS, "--epochs", "100")),
+}
+TARGET_POINTS = 0.5
+
+
+def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, seed: int) -> dict:
+    spec, parts, method, flags = GRAPHS[graph]
+    parts_dir = work / "parts" / f"{graph}-{parts}"
+    data = ["--data-dir", data_dir] if data_dir and graph == "cora" else []
+    error = execute(["bnsgcn-partition", spec, "--parts", str(parts), "--method", method, *data, "--out", str(parts_dir)], os.cpu_count() or 1, 600)[1]
+    record = {"graph": graph, "format": fmt, "p": p, "seed": seed}
+    if error:
+        return record | {"error": error}
+    run_dir = work / "runs" / f"{graph}-{fmt}-p{p:g}-s{seed}"
+    threads = threads_per_rank(parts, os.cpu_count() or 1)
+    command = ["bnsgcn-train", "--parts-dir", str(parts_dir), "--procs", str(parts), "--threads", str(threads), "--p", f"{p:g}",
+               "--compress", fmt, "--seed", str(seed), *flags, "--out", str(run_dir)]
+    wall, error = execute(command, threads, 1800)
+    if error:
+        return record | {"error": error}
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    return record | {"wall_s": wall, "best_val_score": summary["best_val_score"], "test_score": summary["test_score"]}
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Mean test accuracy per graph, format and p, and its difference from none in points."""
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        if "error" not in r:
+            groups.setdefault((r["graph"], r["format"], r["p"]), []).append(r["test_score"])
+    rows = []
+    for (graph, fmt, p), scores in groups.items():
+        base = groups.get((graph, "none", p))
+        mean = statistics.fmean(scores)
+        delta = None if base is None else 100 * (mean - statistics.fmean(base))
+        rows.append({"graph": graph, "format": fmt, "p": p, "seeds": len(scores), "test_mean": mean, "test_scores": scores,
+                     "points_vs_none": delta, "met": None if delta is None or fmt not in ("int8", "fp16") else delta >= -TARGET_POINTS})
+    return rows
+
+
+def render(document: dict) -> str:
+    head = ["graph", "p", "format", "seeds", "test accuracy (mean)", "per seed", "points vs none", f"within {TARGET_POINTS} (int8, fp16)"]
+    rows = [[r["graph"], f"{r['p']:g}", r["format"], str(r["seeds"]), f"{100 * r['test_mean']:.2f}", " / ".join(f"{100 * s:.1f}" for s in r["test_scores"]),
+             "-" if r["points_vs_none"] is None else f"{r['points_vs_none']:+.2f}", {True: "met", False: "missed"}.get(r["met"], "-")]
+            for r in document["summary"]]
+    failed = [f"failed: {r['graph']} {r['format']} p={r['p']:g} seed {r['seed']}: {r['error']}" for r in document["runs"] if "error" in r]
+    return "\n".join([f"{document['date']}, {document['machine']['cores']} cores; command: `{document['command']}`", "", _table(head, rows), *failed])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compression", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graphs", nargs="+", choices=sorted(GRAPHS), default=["cora", "acc"])
+    parser.add_argument("--data-dir", help="where the Planetoid files of cora are")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--p", nargs="+", type=float, default=[1.0, 0.1])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bnsgcn-compression"), help="partition sets and run directories")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compression.json")
+    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the table of a saved result and exit")
+    args = parser.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
+    document = {"date": date.today().isoformat(), "machine": machine(), "command": "python -m benchmarks.compression " + " ".join(argv or sys.argv[1:]), "runs": []}
+    grid = [(g, f, p, s) for g in args.graphs for p in args.p for s in args.seeds for f in args.formats]
+    for i, (graph, fmt, p, seed) in enumerate(grid, 1):
+        print(f"[{i}/{len(grid)}] {graph} {fmt} p={p:g} seed {seed}", file=sys.stderr, flush=True)
+        document["runs"].append(run_one(args.work, graph, args.data_dir, fmt, p, seed))
+        document["summary"] = summarise(document["runs"])
+        write_json(args.out, document)
+    print(render(document))
+    return 1 if any("error" in r for r in document["runs"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
