@@ -11,7 +11,9 @@ Only what crosses the network changes; every rank computes in float32 on what it
   .. math:: q = \lfloor (x - lo) / s + u \rfloor,\quad u \sim U[0, 1),
 
   so ``E[lo + q s] = x``: the decoded row is an unbiased estimate of the sent one, off by
-  less than one step ``s`` per element. int4 packs two codes to a byte (a row of odd width
+  less than one step ``s`` per element. On CPU the codes come from one numba pass with a
+  counter-based generator (24-bit ``u``) seeded from torch's (``BNSGCN_KERNELS=torch``:
+  torch's ``rand``, as on GPUs). int4 packs two codes to a byte (a row of odd width
   gets one padding code). Bytes per row: ``D + 4`` (int8), ``ceil(D / 2) + 4`` (int4).
 
 Rows of any shape [n, *row] are encoded as [n, prod(row)]; codes and the two numbers of a
@@ -24,6 +26,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from .kernels import kernel_backend
 
 FORMATS = ("none", "fp16", "bf16", "int8", "int4")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -107,9 +111,8 @@ def quantize(rows: Tensor, bits: int, generator: torch.Generator | None = None) 
         return torch.zeros(n, _payload_bytes(width, bits) + _HEADER_BYTES, dtype=torch.uint8, device=rows.device)
     lo = _round_outwards_to_bf16(rows.amin(1), up=False)
     step = _round_outwards_to_bf16((rows.amax(1) - lo) / levels, up=True)
-    scaled = (rows - lo[:, None]) / step.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
-    noise = torch.rand(rows.shape, generator=generator, device=rows.device)
-    codes = (scaled + noise).floor_().clamp_(0, levels).to(torch.uint8)
+    inv_step = 1.0 / step.clamp(min=torch.finfo(torch.float32).tiny)
+    codes = kernel_backend(rows.device).quantize_codes(rows, lo, inv_step, levels, generator)
     if bits == 4:
         if width % 2:
             codes = torch.cat([codes, codes.new_zeros(n, 1)], 1)

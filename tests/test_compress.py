@@ -14,6 +14,7 @@ import torch
 
 from bnsgcn.compress import FORMATS, WireFormat, dequantize, quantize
 from bnsgcn.config import TrainConfig
+from bnsgcn.kernels import ENV_VAR
 
 from .distributed import partition, random_graph, run_ranks
 
@@ -26,8 +27,15 @@ def _step_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
     return ((hi - lo) + lo.abs() * 2**-7) / ((1 << bits) - 1) * (1 + 2**-7) + 1e-30
 
 
+@pytest.fixture(params=["numba", "torch"])
+def kernels(request, monkeypatch):
+    """Run the test with each CPU kernel backend (the codes come from either)."""
+    monkeypatch.setenv(ENV_VAR, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("bits", [8, 4])
-def test_stochastic_rounding_is_unbiased_within_one_step(bits):
+def test_stochastic_rounding_is_unbiased_within_one_step(bits, kernels):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(6, 37, generator=generator) * torch.tensor([[1e-6], [1.0], [30.0], [1.0], [5.0], [0.1]]) + torch.tensor([[0.0], [0.0], [-7.0], [100.0], [0.0], [3.0]])
     step = _step_bound(x, bits)[:, None]
@@ -44,7 +52,7 @@ def test_stochastic_rounding_is_unbiased_within_one_step(bits):
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp16", "bf16"])
 @pytest.mark.parametrize("row", [(1,), (5,), (33,), (3, 7), (0,)])
-def test_round_trip_of_any_row_shape(name, row):
+def test_round_trip_of_any_row_shape(name, row, kernels):
     wire = WireFormat(name)
     x = torch.randn(11, *row)
     x[0] = 0.25  # a constant row

@@ -517,6 +517,43 @@ def _masked_scale_kernel(dy, keep, scale, dx, n_blocks):
         _masked_scale_block(dy[start:stop], keep[start:stop], scale, dx[start:stop])
 
 
+@njit(cache=True)
+def _quantize_block(x, lo, inv_step, levels, seed, first_word, codes):
+    n, d = x.shape
+    words_per_row = (d + 1) // 2
+    low24 = np.uint64(0xFFFFFF)
+    unit = np.float32(2.0**-24)
+    top = np.float32(levels)
+    for i in range(n):
+        word = np.uint64(first_word + i * words_per_row)
+        for pair in range(words_per_row):  # two 24-bit uniforms from one draw
+            bits = _splitmix64(seed, word + np.uint64(pair))
+            for half in range(2):
+                j = 2 * pair + half
+                if j < d:
+                    u = np.float32((bits >> np.uint64(32 * half)) & low24) * unit
+                    t = np.floor((x[i, j] - lo[i]) * inv_step[i] + u)
+                    codes[i, j] = np.uint8(min(max(t, np.float32(0.0)), top))
+
+
+@_row_parallel()
+def _quantize_kernel(x, lo, inv_step, levels, seed, codes, n_blocks):
+    n, d = x.shape
+    words_per_row = (d + 1) // 2
+    for block in prange(n_blocks):
+        start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
+        _quantize_block(x[start:stop], lo[start:stop], inv_step[start:stop], levels, seed, start * words_per_row, codes[start:stop])
+
+
+def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
+    """uint8 codes ``floor((x - lo) * inv_step + u)`` clamped to ``[0, levels]``, ``u``
+    uniform in [0, 1) (24 bits) from a counter-based generator seeded from torch's: one pass."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    _quantize_kernel(_array(x.float().contiguous()), _array(lo), _array(inv_step), levels, np.uint64(seed), codes.numpy(), work=x.numel())
+    return codes
+
+
 def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, one
     fused pass; the bits come from a seed drawn from torch's generator (reproducible)."""

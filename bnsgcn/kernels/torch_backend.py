@@ -143,6 +143,14 @@ def gat_backward(
     return dx, d_src, d_dst
 
 
+def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
+    """uint8 codes ``floor((x - lo) * inv_step + u)`` clamped to ``[0, levels]``, ``u``
+    uniform in [0, 1) from torch's generator."""
+    scaled = (x - lo[:, None]).mul_(inv_step[:, None])
+    scaled += torch.rand(x.shape, generator=generator, device=x.device)
+    return scaled.floor_().clamp_(0, levels).to(torch.uint8)
+
+
 def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, the bits
     drawn as 64-bit words from torch's generator."""
