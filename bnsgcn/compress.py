@@ -66,7 +66,7 @@ class WireFormat:
             return out.copy_(rows)
         if self.name in _CASTS:
             return out.copy_(rows)  # the cast rounds to nearest
-        return out.copy_(quantize(rows.reshape(rows.shape[0], -1), _BITS[self.name]))
+        return out.copy_(quantize(rows.reshape(rows.shape[0], math.prod(rows.shape[1:])), _BITS[self.name]))
 
     def decode(self, wire: Tensor, row: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """Rows [n, *row] of ``dtype`` from ``wire`` (``wire`` itself for ``none``)."""
@@ -122,10 +122,12 @@ def quantize(rows: Tensor, bits: int, generator: torch.Generator | None = None) 
 
 def dequantize(wire: Tensor, width: int, bits: int) -> Tensor:
     """uint8 [n, payload + 4] -> float32 [n, width]: ``lo + q step``."""
+    if wire.shape[0] == 0:
+        return torch.zeros(0, width, device=wire.device)
     payload = _payload_bytes(width, bits)
     codes = wire[:, :payload]
     if bits == 4:
-        codes = torch.stack([codes & 0x0F, codes >> 4], 2).view(wire.shape[0], -1)[:, :width]
+        codes = torch.stack([codes & 0x0F, codes >> 4], 2).view(wire.shape[0], 2 * payload)[:, :width]
     lo = _from_bf16_bytes(wire[:, payload : payload + 2])
     step = _from_bf16_bytes(wire[:, payload + 2 : payload + 4])
     return torch.addcmul(lo[:, None], codes.float(), step[:, None])

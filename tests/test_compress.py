@@ -140,3 +140,12 @@ def test_accuracy_benchmark_summary_states_the_target():
     assert rows["int8"]["points_vs_none"] == pytest.approx(-0.5) and rows["int8"]["met"] is True and rows["int8"]["seeds"] == 2
     assert rows["fp16"]["points_vs_none"] == pytest.approx(-1.5) and rows["fp16"]["met"] is False
     assert rows["int4"]["met"] is None  # no target for int4
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("row", [(5,), (3, 7)])
+def test_no_rows_at_all(name, row, kernels):
+    """A rank that sends or receives nothing to or from a peer encodes and decodes 0 rows."""
+    wire = WireFormat(name)
+    out = torch.empty((0, *wire.wire_shape(row)), dtype=wire.wire_dtype(torch.float32))
+    assert wire.decode(wire.encode(torch.empty(0, *row), out), row, torch.float32).shape == (0, *row)

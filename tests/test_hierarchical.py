@@ -147,3 +147,33 @@ def test_delegates_spread_rows_over_requesters():
     position = torch.arange(5)
     # column i goes to the (i mod |S|)-th requester S of that column; nobody: -1
     assert _delegates(wanted, position).tolist() == [0, 1, 1, 2, -1]
+
+
+def test_empty_sends_and_a_partition_without_boundary(tmp_path):
+    """Partition 3 is a component of its own (no boundary node, nobody needs its rows) and
+    p = 0.05 leaves many pairs of ranks with nothing to send: every exchange mode and wire
+    format runs through zero-sized splits, and node-aware exchange still equals direct."""
+    from partition.graph import Graph, canonical_csr
+    from partition.partitioner import method_info
+    from partition.writer import write_partition_set
+
+    main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
+    n = main.num_nodes + island.num_nodes
+    rows = np.concatenate([np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset for g, offset in ((main, 0), (island, main.num_nodes))])
+    sources = np.concatenate([main.indices, island.indices + main.num_nodes])
+    indptr, indices, _ = canonical_csr(sources, rows, n)
+    joined = Graph("joined", indptr, indices, *(np.concatenate([getattr(main, k), getattr(island, k)]) for k in ("features", "labels", "train_mask", "val_mask", "test_mask")), main.num_classes)
+    assignment = np.concatenate([np.arange(main.num_nodes) % 3, np.full(island.num_nodes, 3)])
+    parts = tmp_path / "parts"
+    write_partition_set(joined, assignment, parts, parts=4, method_info=method_info("random", "cut", 0), progress=False)
+    assert load_partition(parts, 3)["boundary_nodes"].shape == (0,)
+
+    base = dict(parts_dir=parts, model="gat", layers=2, hidden=4, heads=2, epochs=2, eval_every=1, seed=1)
+    variants = [(p, x, c) for p in (0.05, 1.0) for c in ("none", "int4") for x in ("direct", "hierarchical")]
+    configs = [TrainConfig(**base, p=p, exchange=x, compress=c, out=tmp_path / f"{p}-{x}-{c}") for p, x, c in variants]
+    run_ranks(4, configs, nodes=[0, 0, 1, 1])
+    losses = {v: [r["loss"] for r in _records(c.out)] for v, c in zip(variants, configs)}
+    assert all(np.isfinite(loss).all() for loss in losses.values())
+    assert min(r["sampled_boundary"] for r in _records(configs[0].out)) < 50  # small p: little is sent
+    for p in (0.05, 1.0):
+        assert losses[p, "hierarchical", "none"] == pytest.approx(losses[p, "direct", "none"], rel=1e-5)
