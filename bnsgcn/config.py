@@ -63,10 +63,11 @@ class TrainConfig:
         """Size of a gradient all-reduce bucket (see :class:`bnsgcn.reducer.GradientReducer`)."""
         return int(self.bucket_mb * 2**20)
 
-    def resolved(self, run_dir: Path, device: str, threads: int, exchange: str) -> TrainConfig:
+    def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
-        directory, device type, threads and exchange (what config.json records)."""
-        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, exchange=exchange, compress_grad=self.grad_wire_format)
+        directory, device type, threads and the gradients' wire format (what config.json
+        records; the run resolves ``exchange`` itself)."""
+        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, compress_grad=self.grad_wire_format)
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -99,7 +99,7 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
 
 def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topology, features: Tensor, labels: Tensor, train_mask: Tensor) -> GraphInputs:
     graph = ShardGraph(topology, config.model, comm.device)
-    planner = make_planner(comm, topology, resolve_mode(config.exchange, comm))
+    planner = make_planner(comm, topology, config.exchange)
     x_agg = None
     if config.use_precompute:
         # The first layer's aggregation never changes: compute it once over the full graph.
@@ -156,6 +156,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
+    config = replace(config, exchange=resolve_mode(config.exchange, comm))  # auto -> direct or hierarchical
     shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
     topo = shard.topology
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
@@ -166,10 +167,9 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     # Only input that passed every check gets a run directory: a failed start leaves none.
     run_dir = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
-    exchange_mode = resolve_mode(config.exchange, comm)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
-        comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, exchange_mode,
+        comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, config.exchange,
     )
 
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
@@ -189,7 +189,7 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
             optimizer.load_state_dict(state["optimizer"])
             start_epoch, best = state["epoch"], state["best"]
             log.info("resumed from epoch %d", start_epoch)
-    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads(), exchange_mode)
+    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads())
     if comm.rank == 0:
         layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members]}
         (run_dir / "config.json").write_text(json.dumps(resolved.to_json() | layout, indent=1) + "\n")
