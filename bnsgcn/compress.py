@@ -62,10 +62,8 @@ class WireFormat:
 
     def encode(self, rows: Tensor, out: Tensor) -> Tensor:
         """Encode ``rows`` [n, *row] into ``out`` [n, *wire_shape(row)]; returns ``out``."""
-        if self.name == "none":
-            return out.copy_(rows)
-        if self.name in _CASTS:
-            return out.copy_(rows)  # the cast rounds to nearest
+        if self.name == "none" or self.name in _CASTS:
+            return out.copy_(rows)  # a cast rounds to nearest
         return out.copy_(quantize(rows.reshape(rows.shape[0], math.prod(rows.shape[1:])), _BITS[self.name]))
 
     def decode(self, wire: Tensor, row: tuple[int, ...], dtype: torch.dtype) -> Tensor:

@@ -82,7 +82,7 @@ class NodeAwarePlanner:
         for local, peer in enumerate(peer_keys):
             self._presence[local, torch.searchsorted(union, peer)] = True
         self._union_owner = union >> _ROW_BITS
-        self._union_position = torch.arange(union.numel()) - torch.searchsorted(self._union_owner, self._union_owner)
+        self._union_position = _position_in_group(self._union_owner)
 
         # As an owner: candidate rows per remote node (send entries to ranks of other nodes).
         destination = torch.repeat_interleave(torch.arange(world), torch.tensor(topology.send_counts, dtype=torch.int64))
@@ -93,7 +93,7 @@ class NodeAwarePlanner:
         out_union, self._entry_column = torch.unique(node_rows, return_inverse=True)
         self._out_node = out_union >> _ROW_BITS
         self._out_row = out_union & ((1 << _ROW_BITS) - 1)
-        self._out_position = torch.arange(out_union.numel()) - torch.searchsorted(self._out_node, self._out_node)
+        self._out_position = _position_in_group(self._out_node)
         self._entry_requester = node_index[destination[self._remote_entry]]
         self._full: ExchangePlan | None = None
 
@@ -120,7 +120,7 @@ class NodeAwarePlanner:
             mine = torch.zeros(union_size, dtype=torch.bool)
             mine[self._column_union[keep & self._remote_column]] = True
             gathered = self.comm.all_gather_within_node(pack_segments(mine, [union_size]).to(self.comm.device), "selections").cpu()
-            node_wanted = torch.stack([unpack_segments(row, [union_size]) for row in gathered])
+            node_wanted = unpack_segments(gathered.flatten(), [union_size] * ranks_here).view(ranks_here, union_size)
         return self._plan(wanted, node_wanted, keep)
 
     def _plan(self, wanted: torch.Tensor, node_wanted: torch.Tensor, keep: torch.Tensor) -> ExchangePlan:
@@ -191,6 +191,11 @@ def _delegates(wanted: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     delegate = (wanted.cumsum(0) < pick).sum(0)
     delegate[count == 0] = -1
     return delegate
+
+
+def _position_in_group(groups: torch.Tensor) -> torch.Tensor:
+    """For sorted group ids, each entry's position inside its group: [0, 1, 0, 1, 2] for [3, 3, 5, 5, 5]."""
+    return torch.arange(groups.numel()) - torch.searchsorted(groups, groups)
 
 
 def _ranks_of(permutation: torch.Tensor) -> torch.Tensor:
