@@ -1,8 +1,9 @@
-"""Accuracy of compressed boundary messages: test accuracy at the best validation epoch,
-mean of several seeds, for every wire format and p, against uncompressed messages.
+"""Accuracy of compressed and stale boundary messages: test accuracy at the best validation
+epoch, mean of several seeds, for every wire format, p and staleness, against uncompressed
+messages and against the exact (staleness 0) exchange.
 
     python -m benchmarks.compression --data-dir ../shared/data/planetoid --out benchmarks/results/compression.json
-    python -m benchmarks.compression --graphs acc --formats none fp16 int8 --seeds 0 1 2
+    python -m benchmarks.compression --graphs acc --formats none fp16 int8 --staleness 0 1 --seeds 0 1 2
     python -m benchmarks.compression --render benchmarks/results/compression.json
 
 Graphs: ``cora`` (public split, METIS into 4 parts, GraphSAGE 2 x 16 as in
@@ -10,7 +11,8 @@ tests/test_cora.py: no norm, dropout 0.5, weight decay 5e-4, 200 epochs, evaluat
 and ``acc`` (the suite's accuracy graph, where the label lives in the neighbourhood: 8
 random parts, GraphSAGE 2 x 64, no precomputation, 100 epochs, evaluated every 10). Every
 run is ``bnsgcn-train`` on one machine (``--procs``); only the wire format, p and the seed
-change. Target (the compression issue): int8 and fp16 within 0.5 points of none.
+change. Targets (the compression/staleness issue): int8 and fp16 within 0.5 points of none
+(same staleness); staleness 1 within 1 point of staleness 0 (same format).
 """
 
 from __future__ import annotations
@@ -37,20 +39,21 @@ GRAPHS = {
     "acc": (ACCURACY, 8, "random", ("--model", "graphsage", *ACCURACY_FLAGS, "--epochs", "100")),
 }
 TARGET_POINTS = 0.5
+STALE_TARGET_POINTS = 1.0
 
 
-def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, seed: int) -> dict:
+def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, staleness: int, seed: int) -> dict:
     spec, parts, method, flags = GRAPHS[graph]
     parts_dir = work / "parts" / f"{graph}-{parts}"
     data = ["--data-dir", data_dir] if data_dir and graph == "cora" else []
     error = execute(["bnsgcn-partition", spec, "--parts", str(parts), "--method", method, *data, "--out", str(parts_dir)], os.cpu_count() or 1, 600)[1]
-    record = {"graph": graph, "format": fmt, "p": p, "seed": seed}
+    record = {"graph": graph, "format": fmt, "p": p, "staleness": staleness, "seed": seed}
     if error:
         return record | {"error": error}
-    run_dir = work / "runs" / f"{graph}-{fmt}-p{p:g}-s{seed}"
+    run_dir = work / "runs" / f"{graph}-{fmt}-p{p:g}-stale{staleness}-s{seed}"
     threads = threads_per_rank(parts, os.cpu_count() or 1)
     command = ["bnsgcn-train", "--parts-dir", str(parts_dir), "--procs", str(parts), "--threads", str(threads), "--p", f"{p:g}",
-               "--compress", fmt, "--seed", str(seed), *flags, "--out", str(run_dir)]
+               "--compress", fmt, "--staleness", str(staleness), "--seed", str(seed), *flags, "--out", str(run_dir)]
     wall, error = execute(command, threads, 1800)
     if error:
         return record | {"error": error}
@@ -59,27 +62,37 @@ def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, se
 
 
 def summarise(runs: list[dict]) -> list[dict]:
-    """Mean test accuracy per graph, format and p, and its difference from none in points."""
+    """Mean test accuracy per graph, format, p and staleness; its difference in points from
+    none (same staleness) and from staleness 0 (same format)."""
     groups: dict[tuple, list[float]] = {}
     for r in runs:
         if "error" not in r:
-            groups.setdefault((r["graph"], r["format"], r["p"]), []).append(r["test_score"])
+            groups.setdefault((r["graph"], r["format"], r["p"], r.get("staleness", 0)), []).append(r["test_score"])
+    mean = lambda key: statistics.fmean(groups[key]) if key in groups else None  # noqa: E731
     rows = []
-    for (graph, fmt, p), scores in groups.items():
-        base = groups.get((graph, "none", p))
-        mean = statistics.fmean(scores)
-        delta = None if base is None else 100 * (mean - statistics.fmean(base))
-        rows.append({"graph": graph, "format": fmt, "p": p, "seeds": len(scores), "test_mean": mean, "test_scores": scores,
-                     "points_vs_none": delta, "met": None if delta is None or fmt not in ("int8", "fp16") else delta >= -TARGET_POINTS - 1e-9})
+    for (graph, fmt, p, staleness), scores in groups.items():
+        here = statistics.fmean(scores)
+        none, exact = mean((graph, "none", p, staleness)), mean((graph, fmt, p, 0))
+        vs_none = None if none is None else 100 * (here - none)
+        vs_exact = None if exact is None or staleness == 0 else 100 * (here - exact)
+        rows.append({
+            "graph": graph, "format": fmt, "p": p, "staleness": staleness, "seeds": len(scores), "test_mean": here, "test_scores": scores,
+            "points_vs_none": vs_none, "met": None if vs_none is None or fmt not in ("int8", "fp16") else vs_none >= -TARGET_POINTS - 1e-9,
+            "points_vs_staleness_0": vs_exact, "stale_met": None if vs_exact is None else vs_exact >= -STALE_TARGET_POINTS - 1e-9,
+        })
     return rows
 
 
 def render(document: dict) -> str:
-    head = ["graph", "p", "format", "seeds", "test accuracy (mean)", "per seed", "points vs none", f"within {TARGET_POINTS} (int8, fp16)"]
-    rows = [[r["graph"], f"{r['p']:g}", r["format"], str(r["seeds"]), f"{100 * r['test_mean']:.2f}", " / ".join(f"{100 * s:.1f}" for s in r["test_scores"]),
-             "-" if r["points_vs_none"] is None else f"{r['points_vs_none']:+.2f}", {True: "met", False: "missed"}.get(r["met"], "-")]
-            for r in document["summary"]]
-    failed = [f"failed: {r['graph']} {r['format']} p={r['p']:g} seed {r['seed']}: {r['error']}" for r in document["runs"] if "error" in r]
+    head = ["graph", "p", "format", "staleness", "seeds", "test accuracy (mean)", "per seed", "points vs none", f"within {TARGET_POINTS} (int8, fp16)",
+            "points vs staleness 0", f"within {STALE_TARGET_POINTS:g}"]
+    verdict = lambda met: {True: "met", False: "missed"}.get(met, "-")  # noqa: E731
+    points = lambda value: "-" if value is None else f"{value:+.2f}"  # noqa: E731
+    rows = [[r["graph"], f"{r['p']:g}", r["format"], str(r.get("staleness", 0)), str(r["seeds"]), f"{100 * r['test_mean']:.2f}",
+             " / ".join(f"{100 * s:.1f}" for s in r["test_scores"]), points(r["points_vs_none"]), verdict(r["met"]),
+             points(r.get("points_vs_staleness_0")), verdict(r.get("stale_met"))]
+            for r in sorted(document["summary"], key=lambda r: (r["graph"], -r["p"], r.get("staleness", 0), FORMATS.index(r["format"])))]
+    failed = [f"failed: {r['graph']} {r['format']} p={r['p']:g} staleness {r.get('staleness', 0)} seed {r['seed']}: {r['error']}" for r in document["runs"] if "error" in r]
     return "\n".join([f"{document['date']}, {document['machine']['cores']} cores; command: `{document['command']}`", "", _table(head, rows), *failed])
 
 
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", help="where the Planetoid files of cora are")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--p", nargs="+", type=float, default=[1.0, 0.1])
+    parser.add_argument("--staleness", nargs="+", type=int, choices=(0, 1), default=[0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bnsgcn-compression"), help="partition sets and run directories")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compression.json")
@@ -98,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads(args.render.read_text())))
         return 0
     document = {"date": date.today().isoformat(), "machine": machine(), "command": "python -m benchmarks.compression " + " ".join(argv or sys.argv[1:]), "runs": []}
-    grid = [(g, f, p, s) for g in args.graphs for p in args.p for s in args.seeds for f in args.formats]
-    for i, (graph, fmt, p, seed) in enumerate(grid, 1):
-        print(f"[{i}/{len(grid)}] {graph} {fmt} p={p:g} seed {seed}", file=sys.stderr, flush=True)
-        document["runs"].append(run_one(args.work, graph, args.data_dir, fmt, p, seed))
+    grid = [(g, f, p, st, s) for g in args.graphs for p in args.p for s in args.seeds for st in args.staleness for f in args.formats]
+    for i, (graph, fmt, p, staleness, seed) in enumerate(grid, 1):
+        print(f"[{i}/{len(grid)}] {graph} {fmt} p={p:g} staleness {staleness} seed {seed}", file=sys.stderr, flush=True)
+        document["runs"].append(run_one(args.work, graph, args.data_dir, fmt, p, staleness, seed))
         document["summary"] = summarise(document["runs"])
         write_json(args.out, document)
     print(render(document))

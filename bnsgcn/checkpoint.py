@@ -1,7 +1,11 @@
 """Checkpoints: atomic, last K kept, loaded with ``torch.load(weights_only=True)``.
 
 Sampling and dropout are seeded from (seed, rank, epoch), so model, optimizer, epoch and
-the best-validation record are all the state a resumed run needs to continue exactly.
+the best-validation record are all the state a resumed run needs to continue exactly,
+except with ``--staleness 1``: then each rank also saves its stale boundary rows and
+gradients (:meth:`bnsgcn.stale.StaleExchange.state_dict`) in a part of its own,
+``checkpoint-<epoch>.rank-<r>.pt``, written before rank 0 writes the checkpoint itself, so
+a checkpoint that exists has all its parts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from .errors import UserError
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_PART = re.compile(r"^checkpoint-(\d+)\.rank-\d+\.pt$")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -22,19 +27,47 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save(run_dir: Path, epoch: int, state: dict, keep: int) -> Path:
-    """Write ``checkpoint-<epoch>.pt`` via a temporary file and keep the newest ``keep``."""
+    """Write ``checkpoint-<epoch>.pt`` via a temporary file and keep the newest ``keep``
+    (with their parts)."""
     folder = checkpoint_dir(run_dir)
-    path = folder / f"checkpoint-{epoch:06d}.pt"
+    path = _write(folder / f"checkpoint-{epoch:06d}.pt", {"epoch": epoch, **state})
+    kept = {int(_NAME.match(p.name).group(1)) for p in _list(folder)[-keep:]}
+    for old in folder.iterdir():
+        match = _NAME.match(old.name) or _PART.match(old.name)
+        if match and int(match.group(1)) not in kept:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def part_path(run_dir: Path, epoch: int, rank: int) -> Path:
+    return checkpoint_dir(run_dir) / f"checkpoint-{epoch:06d}.rank-{rank}.pt"
+
+
+def save_part(run_dir: Path, epoch: int, rank: int, state: dict) -> Path:
+    """Write rank ``rank``'s own part of the checkpoint of ``epoch`` (before :func:`save`)."""
+    return _write(part_path(run_dir, epoch, rank), state)
+
+
+def load_part(run_dir: Path, epoch: int, rank: int) -> dict:
+    """Rank ``rank``'s part of the checkpoint of ``epoch``."""
+    path = part_path(run_dir, epoch, rank)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: the checkpoint of epoch {epoch} is incomplete; restore the file or pass a new --out") from None
+    except Exception as exc:  # a torn or corrupt file
+        raise UserError(f"{path} cannot be read ({exc.__class__.__name__}); restore the file or pass a new --out") from None
+
+
+def _write(path: Path, state: dict) -> Path:
     tmp = path.with_suffix(".pt.tmp")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"epoch": epoch, **state}, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write checkpoint {path} ({exc.strerror}); free space or pass a writable --out") from None
-    for old in _list(folder)[:-keep]:
-        old.unlink(missing_ok=True)
     return path
 
 

@@ -72,7 +72,9 @@ class Nodes:
 class Comm:
     """One rank's view of the job: rank, world size, device and the collectives it uses."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float, nodes: Nodes | None = None):
+    def __init__(
+        self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float, nodes: Nodes | None = None, pipelined: bool = False
+    ):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -87,6 +89,9 @@ class Comm:
         # exchange also runs there; a group of their own keeps the two streams of
         # collectives from interleaving.
         self.reduce_group = self._new_group() if world_size > 1 else None
+        # Stale (pipelined) boundary exchanges stay in flight for a whole epoch; on a group
+        # of their own they never hold up the synchronous collectives queued behind them.
+        self.pipeline_group = self._new_group() if pipelined and world_size > 1 else None
         # One group per node for relaying boundary rows inside a node (every rank must
         # create every group, in the same order).
         self.node_group = None
@@ -116,14 +121,23 @@ class Comm:
         self.stats.seconds[category] += seconds
 
     def all_to_all_start(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str, within_node: bool = False
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        out: torch.Tensor,
+        category: str,
+        within_node: bool = False,
+        pipelined: bool = False,
     ) -> dist.Work | None:
         """Start moving rows ``send[sum(send_counts[:r]) : ...]`` to rank r; rank r's rows land
         in ``out`` likewise once :meth:`wait` returns. Both buffers must stay untouched until then.
 
         ``send`` [sum(send_counts), *row], ``out`` [sum(recv_counts), *row] (contiguous).
         ``within_node``: among the ranks of this node only (:attr:`node_group`), counts
-        indexed by position in :attr:`node_ranks`.
+        indexed by position in :attr:`node_ranks`. ``pipelined``: on :attr:`pipeline_group`
+        (a transfer that stays in flight across an epoch; the Comm must be made with
+        ``pipelined=True``).
         """
         self._check_device(send, out)
         row_bytes = send.element_size() * math.prod(send.shape[1:])
@@ -137,7 +151,9 @@ class Comm:
         if len(peers) == 1:
             out.copy_(send)
             return None
-        group = self.node_group if within_node else None
+        group = self.node_group if within_node else self.pipeline_group if pipelined else None
+        if pipelined and self.pipeline_group is None:
+            raise RuntimeError("a pipelined all-to-all needs a Comm made with pipelined=True")
         return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True)
 
     def all_to_all(
@@ -233,12 +249,13 @@ def node_key(environ: dict[str, str] | None = None) -> str:
     return f"host={socket.gethostname()}"
 
 
-def init_from_env(device: str, timeout: float) -> Comm:
+def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
     ``device`` is ``cuda`` (NCCL, one GPU per local rank), ``cpu`` (gloo) or ``auto``
     (cuda when available). Every collective then fails after ``timeout`` seconds instead
-    of waiting forever on a dead rank.
+    of waiting forever on a dead rank. ``pipelined``: the job keeps boundary exchanges in
+    flight across epochs (``--staleness 1``), on a group of their own.
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -272,4 +289,4 @@ def init_from_env(device: str, timeout: float) -> Comm:
     if world_size > 1:
         keys = [None] * world_size
         dist.all_gather_object(keys, node_key())
-    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys))
+    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined)

@@ -39,6 +39,8 @@ class TrainConfig:
     exchange: str = "auto"  # direct | hierarchical | auto
     compress: str = "none"  # wire format of boundary rows: none | fp16 | bf16 | int8 | int4
     compress_grad: str | None = None  # of their gradients; None: as compress
+    staleness: int = 0  # 1: boundary rows and their gradients one epoch stale (bnsgcn.stale)
+    stale_smoothing: float | None = None  # weight of the old average of stale rows and gradients
     bucket_mb: float = 8.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -74,7 +76,7 @@ class TrainConfig:
 
     def model_signature(self) -> dict:
         """The fields a checkpoint must agree on to be resumed."""
-        keys = ("model", "layers", "hidden", "heads", "norm", "inductive")
+        keys = ("model", "layers", "hidden", "heads", "norm", "inductive", "staleness", "stale_smoothing")
         return {k: getattr(self, k) for k in keys} | {"precompute": self.use_precompute}
 
 
@@ -115,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stochastic rounding; compute stays float32) (default none)",
     )
     g.add_argument("--compress-grad", default=None, help="the same for the rows' gradients (default: as --compress)")
+    g.add_argument(
+        "--staleness", type=int, default=0,
+        help="0 | 1: with 1, each layer aggregates the boundary rows their owners sent during the previous epoch and "
+        "their gradients reach the owners one epoch later, so every exchange runs behind a whole epoch of compute; "
+        "the first epoch and evaluation stay exact (default 0)",
+    )
+    g.add_argument(
+        "--stale-smoothing", type=float, default=None, metavar="GAMMA",
+        help="with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the "
+        "stale rows and gradients (default: off)",
+    )
     g.add_argument("--bucket-mb", type=float, default=8.0, help="MiB of parameter gradients per all-reduce bucket (default 8)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
@@ -161,6 +174,13 @@ def validate(c: TrainConfig) -> None:
     for flag, value in (("--compress", c.compress), ("--compress-grad", c.grad_wire_format)):
         if value not in WIRE_FORMATS:
             raise UserError(f"unknown wire format {flag} {value}; choose from {', '.join(WIRE_FORMATS)}")
+    if c.staleness not in (0, 1):
+        raise UserError(f"--staleness {c.staleness} is not supported; choose --staleness 0 (exact exchange) or 1 (one epoch stale)")
+    if c.stale_smoothing is not None:
+        if not 0.0 < c.stale_smoothing < 1.0:
+            raise UserError(f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9")
+        if c.staleness != 1:
+            raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
     if c.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

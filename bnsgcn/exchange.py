@@ -125,7 +125,7 @@ def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return bits[_padded_positions(counts)].bool()
 
 
-class _Buffer:
+class Buffer:
     """Flat storage that grows as needed and hands out contiguous views of it."""
 
     def __init__(self) -> None:
@@ -139,13 +139,91 @@ class _Buffer:
         return s[:numel].view(shape)
 
 
+def start_rows(
+    comm: Comm, x_inner: torch.Tensor, plan: ExchangePlan, wire: WireFormat, send_buffer: Buffer, recv_buffer: Buffer, category: str, pipelined: bool = False
+) -> tuple[object, torch.Tensor]:
+    """Encode the rows ``plan`` sends from ``x_inner`` [n_inner, *row] into ``send_buffer``
+    and start the first stage's all-to-all. Returns the started work and the buffer
+    [plan.num_received, *wire row] the rows land in (the network's first, the relayed ones
+    after them, see :func:`finish_rows`). Both buffers stay in use until the work is waited for."""
+    row = tuple(x_inner.shape[1:])
+    wire_row, wire_dtype = wire.wire_shape(row), wire.wire_dtype(x_inner.dtype)
+    send = send_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, x_inner.device)
+    if wire.exact:
+        torch.index_select(x_inner, 0, plan.send_index, out=send)
+    else:
+        wire.encode(x_inner.index_select(0, plan.send_index), send)
+    arrived = recv_buffer.view((plan.num_received, *wire_row), wire_dtype, x_inner.device)
+    work = comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, arrived[: sum(plan.recv_counts)], category, pipelined=pipelined)
+    return work, arrived
+
+
+def finish_rows(
+    comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, send_buffer: Buffer, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype, category: str
+) -> torch.Tensor:
+    """Wait for rows started by :func:`start_rows`, relay them inside the node, decode them:
+    [plan.num_received, *row] in column order. ``send_buffer`` (the one :func:`start_rows`
+    used, free again once the first stage is done) carries the relayed rows."""
+    comm.wait(work, category)
+    relay = plan.relay
+    if relay is not None:
+        first = sum(plan.recv_counts)
+        hand_on = send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
+        torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
+        comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True)
+    rows = wire.decode(arrived, row, dtype)
+    return rows if relay is None else rows.index_select(0, relay.order)
+
+
+def start_grads(
+    comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers, pipelined: bool = False
+) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """Start sending the gradients ``grad_rows`` [plan.num_received, *row] (column order) of
+    received rows back to their owners; relayed rows' gradients are first summed, in
+    float32, at the rank that relayed them. Returns the work, the tensor being sent (keep it
+    alive until the work is done) and the buffer the owner's gradients land in
+    [plan.send_index.numel(), *wire row] (decode with :func:`finish_grads`)."""
+    relay = plan.relay
+    grad_rows = grad_rows.contiguous()
+    if relay is not None:
+        # Back to buffer order, then the relayed rows' gradients to the ranks that relayed
+        # them, which add them to their own before one row per node crosses the network.
+        arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
+        first = sum(plan.recv_counts)
+        relayed = buffers.relay.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
+        comm.all_to_all(arrived[first:], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True)
+        grad_rows = arrived
+        arrived[:first].index_add_(0, relay.send_index, relayed)
+    first_grads = grad_rows[: sum(plan.recv_counts)]
+    wire_row, wire_dtype = wire.wire_shape(tuple(grad_rows.shape[1:])), wire.wire_dtype(grad_rows.dtype)
+    if not wire.exact:
+        first_grads = wire.encode(first_grads, buffers.send.view((first_grads.shape[0], *wire_row), wire_dtype, grad_rows.device))
+    received = buffers.recv.view((plan.send_index.numel(), *wire_row), wire_dtype, grad_rows.device)
+    work = comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, received, "gradients", pipelined=pipelined)
+    return work, first_grads, received
+
+
+def finish_grads(comm: Comm, work, received: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Wait for gradients started by :func:`start_grads` and decode them:
+    [plan.send_index.numel(), *row], one per row sent (add them at ``plan.send_index``)."""
+    comm.wait(work, "gradients")
+    return wire.decode(received, row, dtype)
+
+
+class GradBuffers:
+    """Storage of one gradient exchange: what is sent (encoded), what arrives, what a relay sums."""
+
+    def __init__(self) -> None:
+        self.send, self.recv, self.relay = Buffer(), Buffer(), Buffer()
+
+
 class BoundaryExchange:
     """The boundary exchange of one model, reusing its buffers across layers and epochs.
 
-    Send and gradient-receive buffers are only alive during a collective and are shared
-    by all layers; each layer keeps its own receive buffer because the rows it receives
-    may be saved for its backward (GAT). ``rows_format`` and ``grads_format`` say how rows
-    and their gradients cross the network during training (:mod:`bnsgcn.compress`);
+    Send and gradient buffers are only alive during a collective and are shared by all
+    layers; each layer keeps its own receive buffer because the rows it receives may be
+    saved for its backward (GAT). ``rows_format`` and ``grads_format`` say how rows and
+    their gradients cross the network during training (:mod:`bnsgcn.compress`);
     evaluation's rows (category ``evaluation``) always travel exact. A relay inside a node
     hands rows on as they arrived, and sums gradients in float32 before they cross.
     """
@@ -154,11 +232,9 @@ class BoundaryExchange:
         self.comm = comm
         self.rows_format = rows_format or EXACT
         self.grads_format = grads_format or EXACT
-        self.send_buffer = _Buffer()
-        self.grad_buffer = _Buffer()
-        self.grad_send_buffer = _Buffer()
-        self.relay_grad_buffer = _Buffer()
-        self.recv_buffers: dict[int, _Buffer] = {}
+        self.send_buffer = Buffer()
+        self.grad_buffers = GradBuffers()
+        self.recv_buffers: dict[int, Buffer] = {}
 
     def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
         """Start fetching the rows of sampled boundary nodes for layer ``slot``;
@@ -168,7 +244,7 @@ class BoundaryExchange:
         ``category`` names the forward traffic in the byte counts; gradients are counted
         as ``gradients``.
         """
-        recv = self.recv_buffers.setdefault(slot, _Buffer())
+        recv = self.recv_buffers.setdefault(slot, Buffer())
         flight = InFlightRows(self, plan, category)
         if category != "evaluation":
             flight.rows_format, flight.grads_format = self.rows_format, self.grads_format
@@ -190,8 +266,8 @@ class InFlightRows:
         self.row: tuple[int, ...] = ()
         self.dtype = torch.float32
         self.work = None  # the forward all-to-all, then the gradients' one
-        self.grad_rows: torch.Tensor | None = None  # kept alive while its all-to-all runs
-        self.grad_send: torch.Tensor | None = None
+        self.grads_sent: torch.Tensor | None = None  # kept alive while its all-to-all runs
+        self.grads_received: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         """The received rows [plan.num_received, *row] (autograd-connected)."""
@@ -206,28 +282,16 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_inner, flight, recv):  # noqa: D102
         ctx.flight, ctx.n_inner = flight, x_inner.shape[0]
-        plan, exchange = flight.plan, flight.exchange
-        wire = flight.rows_format
         x_inner = x_inner.detach()
         flight.row, flight.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
-        wire_row, wire_dtype = wire.wire_shape(flight.row), wire.wire_dtype(x_inner.dtype)
-        send = exchange.send_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, x_inner.device)
-        if wire.exact:
-            torch.index_select(x_inner, 0, plan.send_index, out=send)
-        else:
-            wire.encode(x_inner.index_select(0, plan.send_index), send)
-        # Both stages' rows land in one buffer: the network's first, the relayed after them.
-        flight.arrived = recv.view((plan.num_received, *wire_row), wire_dtype, x_inner.device)
-        first = flight.arrived[: sum(plan.recv_counts)]
-        flight.work = exchange.comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, first, flight.category)
+        flight.work, flight.arrived = start_rows(flight.exchange.comm, x_inner, flight.plan, flight.rows_format, flight.exchange.send_buffer, recv, flight.category)
         return x_inner.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad_token):  # noqa: D102
         flight = ctx.flight
-        flight.exchange.comm.wait(flight.work, "gradients")
-        grads = flight.grads_format.decode(flight.grad_send, flight.row, flight.dtype)
-        flight.work = flight.grad_rows = flight.grad_send = None
+        grads = finish_grads(flight.exchange.comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
+        flight.work = flight.grads_sent = flight.grads_received = None
         grad_x = grads.new_zeros((ctx.n_inner, *flight.row)).index_add_(0, flight.plan.send_index, grads)
         return grad_x, None, None
 
@@ -240,43 +304,15 @@ class _Receive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, flight):  # noqa: D102
         ctx.flight = flight
-        plan, exchange = flight.plan, flight.exchange
-        exchange.comm.wait(flight.work, flight.category)
-        flight.work = None
-        arrived, relay = flight.arrived, plan.relay
-        if relay is not None:
-            first = sum(plan.recv_counts)
-            # The first stage's send buffer is free again: it carries the relayed rows.
-            hand_on = exchange.send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
-            torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
-            exchange.comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], flight.category, within_node=True)
-        rows = flight.rows_format.decode(arrived, flight.row, flight.dtype)
-        flight.arrived = None
-        return rows if relay is None else rows.index_select(0, relay.order)
+        exchange = flight.exchange
+        rows = finish_rows(exchange.comm, flight.plan, flight.work, flight.arrived, exchange.send_buffer, flight.rows_format, flight.row, flight.dtype, flight.category)
+        flight.work = flight.arrived = None
+        return rows
 
     @staticmethod
     def backward(ctx, grad_rows):  # noqa: D102
         flight = ctx.flight
-        plan, exchange = flight.plan, flight.exchange
-        relay = plan.relay
-        grad_rows = grad_rows.contiguous()
-        if relay is not None:
-            # Back to buffer order, then the relayed rows' gradients to the ranks that relayed
-            # them, which add them to their own before one row per node crosses the network.
-            arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
-            first = sum(plan.recv_counts)
-            relayed = exchange.relay_grad_buffer.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
-            exchange.comm.all_to_all(arrived[first:], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True)
-            grad_rows = arrived
-            arrived[:first].index_add_(0, relay.send_index, relayed)
-        first_grads = grad_rows[: sum(plan.recv_counts)]
-        wire = flight.grads_format
-        wire_row, wire_dtype = wire.wire_shape(flight.row), wire.wire_dtype(grad_rows.dtype)
-        if not wire.exact:
-            first_grads = wire.encode(first_grads, exchange.grad_send_buffer.view((first_grads.shape[0], *wire_row), wire_dtype, grad_rows.device))
-        flight.grad_rows = first_grads
-        flight.grad_send = exchange.grad_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, grad_rows.device)
-        flight.work = exchange.comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, flight.grad_send, "gradients")
+        flight.work, flight.grads_sent, flight.grads_received = start_grads(flight.exchange.comm, flight.plan, grad_rows, flight.grads_format, flight.exchange.grad_buffers)
         return grad_rows.new_zeros(0), None
 
 

@@ -19,6 +19,7 @@ import torch
 from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
 from .kernels import Adjacency
 from .shard import Topology
+from .stale import StaleExchange
 
 NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
 
@@ -66,7 +67,7 @@ class EpochGraph:
     full: Adjacency | None
     column_weight: torch.Tensor | None
     plan: ExchangePlan
-    exchange: BoundaryExchange
+    exchange: BoundaryExchange | StaleExchange
     traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
 
     def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows:
@@ -92,7 +93,7 @@ class ShardGraph:
         self.boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, None if values is None else values[~is_inner]).to(device)
         self.full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values).to(device) if model == "gat" else None
 
-    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange, traffic: str = "features") -> EpochGraph:
+    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange | StaleExchange, traffic: str = "features") -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
         if p >= 1.0:  # every column: nothing to select or rescale
             weight = torch.ones(self.full.n_cols, device=self.device) if self.full is not None else None

@@ -6,6 +6,8 @@ every epoch: sample boundary nodes -> exchange selections -> forward (boundary r
 all-to-all) -> loss over local training nodes / global count -> backward (gradients of
 boundary rows back to their owners; parameter gradients all-reduced in buckets) -> step
 -> evaluate every ``eval_every`` epochs -> one JSON line -> checkpoint.
+With ``--staleness 1`` the sample is drawn one epoch ahead and the boundary exchange runs
+one epoch behind (:mod:`bnsgcn.stale`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .comm import Comm, init_from_env
 from .compress import WireFormat
 from .config import TrainConfig
 from .errors import UserError
-from .exchange import BoundaryExchange, fetch_boundary
+from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mode
@@ -38,6 +40,7 @@ from .progress import Progress
 from .reducer import GradientReducer
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
+from .stale import StaleExchange
 
 SPLITS = ("train", "val", "test")
 
@@ -59,7 +62,7 @@ def run(config: TrainConfig) -> dict:
     """Run one rank of the job described by the environment (see :func:`bnsgcn.comm.init_from_env`)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    comm = init_from_env(config.device, config.timeout)
+    comm = init_from_env(config.device, config.timeout, pipelined=config.staleness > 0)
     # After a failure the groups are left as they are: a peer may be dead or hung, and
     # tearing down a group with a collective in flight can block or abort the process,
     # which then hides the real error. The process ends right after anyway.
@@ -176,7 +179,9 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     reducer = GradientReducer(model, comm, config.bucket_bytes)
-    exchange = BoundaryExchange(comm, WireFormat(config.compress), WireFormat(config.grad_wire_format))
+    rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
+    exchange = BoundaryExchange(comm, rows_format, grads_format)
+    stale = StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None
     signature = {"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()}
 
     start_epoch, best = 0, {"val_score": -1.0, "epoch": -1, "test_score": None, "state": None}
@@ -188,6 +193,8 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             start_epoch, best = state["epoch"], state["best"]
+            if stale is not None:
+                stale.load_state_dict(_stale_part(checkpoint.load_part(run_dir, start_epoch, comm.rank), config, run_dir, start_epoch, comm.rank))
             log.info("resumed from epoch %d", start_epoch)
     resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads())
     if comm.rank == 0:
@@ -200,13 +207,17 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
     totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
     last_loss = float("nan")
+    sample = lambda epoch: _sample(config, comm, train_inputs, epoch)  # noqa: E731
+    ahead = None  # with staleness: the epoch's sample, drawn during the previous epoch
     for epoch in range(start_epoch, config.epochs):
         account = EpochAccount()
         t0 = time.perf_counter()
         with account.timed("sampling"):  # sample -> exchange selections -> this epoch's graph
-            keep = sample_boundary(train_inputs.topology.boundary_counts, config.p, config.seed, comm.rank, epoch)
-            plan = train_inputs.planner.sample(keep, config.p)
-            g = train_inputs.graph.epoch(keep, config.p, plan, exchange)
+            keep, plan = ahead or sample(epoch)
+            if stale is not None:
+                ahead = sample(epoch + 1)
+                stale.prepare(ahead[1], ahead[0])
+            g = train_inputs.graph.epoch(keep, config.p, plan, stale or exchange)
         model.train()
         torch.manual_seed(derive_seed(config.seed, comm.rank, epoch, 1))  # dropout
         with account.timed("forward"), account.saved_tensors():
@@ -238,12 +249,19 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
             metrics.write(record)
             if evaluate:
                 log.info("epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)", epoch + 1, last_loss, scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"])
-            if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0:
+        if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0:
+            if stale is not None:  # every part is written before rank 0 writes the checkpoint
+                stale.drain()
+                checkpoint.save_part(run_dir, epoch + 1, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **stale.state_dict()})
+                comm.barrier()
+            if comm.rank == 0:
                 checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
         if config.checkpoint_every:
             comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
         progress.update()
     progress.close()
+    if stale is not None:
+        stale.drain()  # the transfers for the epoch after the last one
 
     partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, eval_inputs.x_agg, train_inputs.x_agg)
     figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes, baseline_rss))
@@ -257,6 +275,21 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
         metrics.close()
         log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best["val_score"], best["epoch"], best["test_score"], run_dir)
     return summary | {"model": model}
+
+
+def _stale_part(part: dict, config: TrainConfig, run_dir: Path, epoch: int, rank: int) -> dict:
+    """A checkpoint part's stale rows belong to the samples of its --p and --seed: refuse others."""
+    p, seed = part["sample"]["p"], part["sample"]["seed"]
+    if (p, seed) != (config.p, config.seed):
+        path = checkpoint.part_path(run_dir, epoch, rank)
+        raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
+    return part
+
+
+def _sample(config: TrainConfig, comm: Comm, inputs: GraphInputs, epoch: int) -> tuple[Tensor, ExchangePlan]:
+    """Epoch ``epoch``'s boundary sample (bool [n_boundary]) and its plan; all ranks call together."""
+    keep = sample_boundary(inputs.topology.boundary_counts, config.p, config.seed, comm.rank, epoch)
+    return keep, inputs.planner.sample(keep, config.p)
 
 
 def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:

@@ -1,0 +1,233 @@
+r"""The boundary exchange one epoch stale (``--staleness 1``, the PipeGCN idea), composed with
+boundary sampling and wire compression.
+
+Layer slot ``l`` sends a tensor ``s_l`` [n_inner, d] of its inner rows (its input, or the
+input times a weight: see :mod:`bnsgcn.layers`). With staleness, in epoch ``t``:
+
+* forward: the layer aggregates rows ``R_l^t`` that their owners sent during epoch ``t-1``:
+  ``s_l^{t-1}`` at the boundary columns of epoch ``t``'s sample (drawn one epoch ahead),
+  scaled by ``1/p`` as always; meanwhile ``s_l^t`` goes out at epoch ``t+1``'s sample;
+* backward: the gradients ``G_l^t = dL_t / dR_l^t`` go out to the owners, and the ones that
+  arrived from epoch ``t-1`` (summed over the ranks that used a row) are added to
+  ``dL_t / ds_l^t`` at their rows.
+
+Every transfer has a whole epoch of compute to hide behind; a rank waits only when the
+network is slower than that. The first epoch of a run has nothing stale yet: it exchanges
+synchronously (exactly as ``--staleness 0``) and sends ahead. Each epoch also sends ahead for
+the epoch after the last one, so that a checkpoint (:meth:`StaleExchange.state_dict`, taken
+with nothing in flight) always holds the rows and gradients the next epoch needs and a
+resumed run equals the uninterrupted one.
+
+Smoothing ``gamma`` (PipeGCN-F/G): each rank keeps, per boundary column, an exponential
+average of the stale rows it received, ``\hat r = gamma \hat r + (1 - gamma) r`` (starting at
+the first row received for the column), and aggregates ``\hat r``; each owner keeps the same
+average of the stale gradient summed per inner row (starting at the first one to arrive),
+and adds that.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .comm import Comm
+from .compress import WireFormat
+from .exchange import BoundaryExchange, Buffer, ExchangePlan, GradBuffers, InFlightRows, finish_grads, finish_rows, start_grads, start_rows
+from .shard import Topology
+
+
+class _Slot:
+    """The stale exchange of one layer slot: transfers in flight, what has arrived, averages."""
+
+    def __init__(self) -> None:
+        self.send = Buffer()
+        self.recv = (Buffer(), Buffer())  # alternate: one arriving while the other's rows are in use
+        self.parity = 0
+        self.grad_buffers = GradBuffers()
+        self.row: tuple[int, ...] = ()
+        self.dtype = torch.float32
+        # rows sent ahead: (work, buffer, plan, columns) in flight; (rows, columns) arrived
+        self.rows_in_flight: tuple | None = None
+        self.rows: tuple[Tensor, Tensor] | None = None
+        # gradients sent back: (work, sent, received, plan) in flight; (send_index, grads) arrived
+        self.grads_in_flight: tuple | None = None
+        self.grads: tuple[Tensor, Tensor] | None = None
+        self.row_average: Tensor | None = None  # [n_boundary, *row]
+        self.row_seen: Tensor | None = None  # bool [n_boundary]
+        self.grad_average: Tensor | None = None  # [len(send_rows), *row]
+
+
+class StaleExchange:
+    """Boundary exchange one epoch behind (see the module). ``synchronous`` serves the epochs
+    with no stale rows in hand; ``topology`` is the training graph's."""
+
+    def __init__(self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, rows_format: WireFormat, grads_format: WireFormat, smoothing: float | None = None) -> None:
+        self.comm, self.synchronous = comm, synchronous
+        self.rows_format, self.grads_format, self.smoothing = rows_format, grads_format, smoothing
+        self.n_inner, self.n_boundary = topology.n_inner, topology.n_boundary
+        self.send_rows = torch.unique(topology.send_nodes).to(comm.device)  # inner rows any rank may request
+        self.slots: dict[int, _Slot] = {}
+        self.next_plan: ExchangePlan | None = None
+        self.next_columns: Tensor | None = None
+
+    def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
+        """The next epoch's sample (bool [n_boundary]) and plan: what this epoch sends ahead."""
+        self.next_plan = next_plan
+        self.next_columns = next_keep.nonzero().flatten().to(self.comm.device)
+
+    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows | _StaleFlight:
+        """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows for slot
+        ``slot`` (stale ones once there are any) and ``x_inner`` goes out for the next epoch."""
+        state = self.slots.setdefault(slot, _Slot())
+        if state.rows is None and state.rows_in_flight is None:
+            flight = self.synchronous.start(x_inner, plan, slot, category)
+            self._send_ahead(state, x_inner.detach(), category)
+            return flight
+        flight = _StaleFlight(self, state, plan, x_inner.shape[0], category)
+        flight.token = _StaleSend.apply(x_inner, flight)
+        return flight
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight (before a checkpoint, at the end of a run)."""
+        for state in self.slots.values():
+            self._rows_arrived(state)
+            self._grads_arrived(state)
+
+    def _send_ahead(self, state: _Slot, x_inner: Tensor, category: str) -> None:
+        assert self.next_plan is not None, "prepare() names the next epoch's sample before an epoch starts"
+        state.row, state.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
+        state.parity ^= 1
+        work, arrived = start_rows(self.comm, x_inner, self.next_plan, self.rows_format, state.send, state.recv[state.parity], category, pipelined=True)
+        state.rows_in_flight = (work, arrived, self.next_plan, self.next_columns, category)
+
+    def _rows_arrived(self, state: _Slot) -> None:
+        if state.rows_in_flight is not None:
+            work, arrived, plan, columns, category = state.rows_in_flight
+            rows = finish_rows(self.comm, plan, work, arrived, state.send, self.rows_format, state.row, state.dtype, category)
+            state.rows, state.rows_in_flight = (rows, columns), None
+
+    def _grads_arrived(self, state: _Slot) -> None:
+        if state.grads_in_flight is not None:
+            work, _sent, received, plan = state.grads_in_flight
+            grads = finish_grads(self.comm, work, received, self.grads_format, state.row, state.dtype)
+            state.grads, state.grads_in_flight = (plan.send_index, grads), None
+
+    def _take_rows(self, state: _Slot, plan: ExchangePlan) -> Tensor:
+        """This epoch's rows [plan.num_received, *row] (smoothed when asked)."""
+        self._rows_arrived(state)
+        rows, columns = state.rows
+        state.rows = None
+        if rows.shape[0] != plan.num_received:
+            raise RuntimeError(f"stale rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}")
+        if self.smoothing is None:
+            return rows
+        if state.row_average is None:
+            state.row_average = rows.new_zeros((self.n_boundary, *state.row))
+            state.row_seen = torch.zeros(self.n_boundary, dtype=torch.bool, device=rows.device)
+        seen = state.row_seen[columns].view(-1, *[1] * len(state.row))
+        mixed = torch.where(seen, torch.lerp(rows, state.row_average[columns], self.smoothing), rows)
+        state.row_average[columns] = mixed
+        state.row_seen[columns] = True
+        return mixed
+
+    def _take_grads(self, state: _Slot) -> Tensor | None:
+        """The stale gradients of the previous epoch, summed per inner row: [n_inner, *row]
+        (smoothed when asked), or None when none were sent."""
+        self._grads_arrived(state)
+        if state.grads is None:
+            return None
+        send_index, grads = state.grads
+        state.grads = None
+        dense = grads.new_zeros((self.n_inner, *state.row)).index_add_(0, send_index, grads)
+        if self.smoothing is None:
+            return dense
+        current = dense[self.send_rows]
+        state.grad_average = current if state.grad_average is None else torch.lerp(current, state.grad_average, self.smoothing)
+        return dense.index_copy_(0, self.send_rows, state.grad_average)
+
+    def _send_grads(self, state: _Slot, plan: ExchangePlan, grad_rows: Tensor) -> None:
+        work, sent, received = start_grads(self.comm, plan, grad_rows, self.grads_format, state.grad_buffers, pipelined=True)
+        state.grads_in_flight = (work, sent, received, plan)
+
+    def state_dict(self) -> dict:
+        """This rank's stale rows, gradients and averages (call :meth:`drain` first)."""
+        slots = {}
+        for slot, state in self.slots.items():
+            assert state.rows_in_flight is None and state.grads_in_flight is None, "drain() before state_dict()"
+            entry: dict = {"row": list(state.row)}
+            if state.rows is not None:
+                entry["rows"], entry["columns"] = (t.cpu() for t in state.rows)
+            if state.grads is not None:
+                entry["grad_index"], entry["grads"] = (t.cpu() for t in state.grads)
+            for name in ("row_average", "row_seen", "grad_average"):
+                if getattr(state, name) is not None:
+                    entry[name] = getattr(state, name).cpu()
+            slots[str(slot)] = entry
+        return {"slots": slots}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.comm.device
+        for slot, entry in state["slots"].items():
+            target = self.slots.setdefault(int(slot), _Slot())
+            target.row = tuple(entry["row"])
+            if "rows" in entry:
+                target.rows = (entry["rows"].to(device), entry["columns"].to(device))
+                target.dtype = entry["rows"].dtype
+            if "grads" in entry:
+                target.grads = (entry["grad_index"].to(device), entry["grads"].to(device))
+                target.dtype = entry["grads"].dtype
+            for name in ("row_average", "row_seen", "grad_average"):
+                if name in entry:
+                    setattr(target, name, entry[name].to(device))
+
+
+class _StaleFlight:
+    """One layer's stale exchange within an epoch (the object :meth:`StaleExchange.start` returns)."""
+
+    def __init__(self, exchange: StaleExchange, state: _Slot, plan: ExchangePlan, n_inner: int, category: str) -> None:
+        self.exchange, self.state, self.plan, self.n_inner, self.category = exchange, state, plan, n_inner, category
+        self.token: Tensor | None = None
+        self.rows: Tensor | None = None
+        self.stale_grads: Tensor | None = None
+
+    def wait(self) -> Tensor:
+        """This epoch's (stale) rows [plan.num_received, *row], autograd-connected."""
+        return _StaleReceive.apply(self.token, self)
+
+
+class _StaleSend(torch.autograd.Function):
+    """Forward: take the rows that arrived for this epoch, send ``x_inner`` ahead; returns an
+    empty token carrying the gradient path to :class:`_StaleReceive`. Backward: the previous
+    epoch's gradients, which :class:`_StaleReceive`'s backward collected, into ``x_inner``."""
+
+    @staticmethod
+    def forward(ctx, x_inner, flight):  # noqa: D102
+        ctx.flight = flight
+        exchange, state = flight.exchange, flight.state
+        flight.rows = exchange._take_rows(state, flight.plan)
+        exchange._send_ahead(state, x_inner.detach(), flight.category)
+        return x_inner.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):  # noqa: D102
+        grads, ctx.flight.stale_grads = ctx.flight.stale_grads, None
+        return grads, None
+
+
+class _StaleReceive(torch.autograd.Function):
+    """Forward: this epoch's stale rows. Backward: collect the previous epoch's gradients
+    (freeing their buffers), then send this epoch's to the owners."""
+
+    @staticmethod
+    def forward(ctx, token, flight):  # noqa: D102
+        ctx.flight = flight
+        rows, flight.rows = flight.rows, None
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):  # noqa: D102
+        flight = ctx.flight
+        exchange = flight.exchange
+        flight.stale_grads = exchange._take_grads(flight.state)
+        exchange._send_grads(flight.state, flight.plan, grad_rows)
+        return grad_rows.new_zeros(0), None
