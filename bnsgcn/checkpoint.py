@@ -81,8 +81,8 @@ def has_checkpoints(run_dir: Path) -> bool:
     return bool(_list(checkpoint_dir(run_dir)))
 
 
-def load_latest(run_dir: Path, signature: dict) -> dict | None:
-    """The newest checkpoint that loads, or None when there is none.
+def newest(run_dir: Path, signature: dict) -> Path | None:
+    """The newest checkpoint that loads (a torn or corrupt one is skipped), or None.
 
     A checkpoint written for another partition set or model configuration (its
     ``signature`` differs) is refused with :class:`UserError`.
@@ -92,12 +92,28 @@ def load_latest(run_dir: Path, signature: dict) -> dict | None:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a torn or corrupt file: fall back to the previous one
             continue
-        if state.get("signature") != signature:
-            theirs, ours = state.get("signature", {}), signature
-            diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-            raise UserError(
-                f"{path} was written for a different run ({', '.join(diff)} differ); "
-                "resume with the same partition set and model flags, or pass a new --out"
-            )
-        return state
+        _checked(path, state, signature)
+        return path
     return None
+
+
+def load(path: Path, signature: dict) -> dict:
+    """The checkpoint at ``path`` (chosen by :func:`newest` on one rank, loaded by every rank)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing on this machine; every rank must see the run directory (a shared --out)") from None
+    except Exception as exc:
+        raise UserError(f"{path} cannot be read here ({exc.__class__.__name__}); every rank must see the same run directory") from None
+    return _checked(path, state, signature)
+
+
+def _checked(path: Path, state: dict, signature: dict) -> dict:
+    if state.get("signature") != signature:
+        theirs, ours = state.get("signature", {}), signature
+        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise UserError(
+            f"{path} was written for a different run ({', '.join(diff)} differ); "
+            "resume with the same partition set and model flags, or pass a new --out"
+        )
+    return state

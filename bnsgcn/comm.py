@@ -94,12 +94,20 @@ class Comm:
         self.pipeline_group = self._new_group() if pipelined and world_size > 1 else None
         # One group per node for relaying boundary rows inside a node (every rank must
         # create every group, in the same order).
-        self.node_group = None
+        self.node_group = self.node_pipeline_group = None
         if self.nodes.spans_machines_with_shared_nodes:
-            for members in self.nodes.members:
-                group = self._new_group(list(members))
-                if rank in members:
-                    self.node_group = group
+            self.node_group = self._node_groups()
+            if pipelined:  # relays of stale rows and gradients, in flight across layers
+                self.node_pipeline_group = self._node_groups()
+
+    def _node_groups(self):
+        """One group per node (every rank creates every group, in the same order); this rank's."""
+        mine = None
+        for members in self.nodes.members:
+            group = self._new_group(list(members))
+            if self.rank in members:
+                mine = group
+        return mine
 
     def _new_group(self, ranks: list[int] | None = None):
         return dist.new_group(ranks, backend=dist.get_backend(), timeout=timedelta(seconds=self.timeout))
@@ -151,8 +159,11 @@ class Comm:
         if len(peers) == 1:
             out.copy_(send)
             return None
-        group = self.node_group if within_node else self.pipeline_group if pipelined else None
-        if pipelined and self.pipeline_group is None:
+        if within_node:
+            group = self.node_pipeline_group if pipelined else self.node_group
+        else:
+            group = self.pipeline_group if pipelined else None
+        if pipelined and group is None:
             raise RuntimeError("a pipelined all-to-all needs a Comm made with pipelined=True")
         return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True)
 

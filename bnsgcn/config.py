@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .compress import FORMATS as WIRE_FORMATS
@@ -14,39 +15,63 @@ EXCHANGES = ("direct", "hierarchical", "auto")
 NORMS = ("layer", "batch", "none")
 
 
+def _setting(default, help: str, **argparse_options):
+    """A training setting, defined once: its default, its ``--help`` text (the default is
+    appended) and any further :meth:`argparse.ArgumentParser.add_argument` options."""
+    return field(default=default, metadata={"help": help, **argparse_options})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    parts_dir: Path | None = None
-    p: float = 0.1
-    model: str = "graphsage"
-    layers: int = 3
-    hidden: int = 256
-    heads: int = 4
-    dropout: float = 0.5
-    norm: str = "layer"
-    lr: float = 0.01
-    weight_decay: float = 0.0
-    epochs: int = 200
-    seed: int = 0
-    eval_every: int = 10
-    precompute: bool | None = None  # None: on where exact (graphsage, gcn)
-    inductive: bool = False
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int | None = None
-    out: Path | None = None
-    log_json: Path | None = None
-    timeout: float = 300.0
-    exchange: str = "auto"  # direct | hierarchical | auto
-    compress: str = "none"  # wire format of boundary rows: none | fp16 | bf16 | int8 | int4
-    compress_grad: str | None = None  # of their gradients; None: as compress
-    staleness: int = 0  # 1: boundary rows and their gradients one epoch stale (bnsgcn.stale)
-    stale_smoothing: float | None = None  # weight of the old average of stale rows and gradients
-    bucket_mb: float = 8.0
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = False
-    verify: bool = False
-    debug: bool = False
+    """Every training flag (``--name-with-dashes`` for ``name_with_underscores``), as
+    :func:`add_arguments` offers it and docs/cli.md documents it."""
+
+    parts_dir: Path | None = _setting(None, "partition set written by bnsgcn-partition", type=Path, shown="found: the one set that matches")
+    p: float = _setting(0.1, "boundary node sampling probability, 0 <= p <= 1")
+    model: str = _setting("graphsage", "graphsage | gat | gcn")
+    layers: int = _setting(3, "number of GNN layers")
+    hidden: int = _setting(256, "hidden width (per head for gat)")
+    heads: int = _setting(4, "attention heads for gat")
+    dropout: float = _setting(0.5, "dropout probability")
+    norm: str = _setting("layer", "layer | batch | none: normalisation between layers")
+    lr: float = _setting(0.01, "Adam learning rate")
+    weight_decay: float = _setting(0.0, "Adam weight decay")
+    epochs: int = _setting(200, "training epochs")
+    seed: int = _setting(0, "seed of parameters, sampling and dropout")
+    eval_every: int = _setting(10, "evaluate every N epochs, 0 = only at the end")
+    precompute: bool | None = _setting(None, "precompute the first layer's full-graph aggregation (--no-precompute: aggregate it every epoch)", shown="on for graphsage and gcn")
+    inductive: bool = _setting(False, "train on the subgraph induced by training nodes, evaluate on the full graph")
+    device: str = _setting("auto", "auto | cpu | cuda (set by --gpus / --procs)")
+    threads: int | None = _setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
+    out: Path | None = _setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")
+    log_json: Path | None = _setting(None, "also write the per-epoch JSON lines here", type=Path, shown="none")
+    timeout: float = _setting(300.0, "seconds any collective may wait before the job fails")
+    exchange: str = _setting(
+        "auto",
+        "direct | hierarchical | auto: boundary rows cross between machines once per remote node and are relayed inside "
+        "it (hierarchical), or once per rank that needs them (direct); auto = hierarchical when the job spans several "
+        "machines and some machine runs several ranks",
+    )
+    compress: str = _setting(
+        "none", "none | fp16 | bf16 | int8 | int4: how boundary rows cross the network (int8/int4: per-row range, stochastic rounding; compute stays float32)"
+    )
+    compress_grad: str | None = _setting(None, "the same for the rows' gradients", type=str, shown="as --compress")
+    staleness: int = _setting(
+        0,
+        "0 | 1: with 1, each layer aggregates the boundary rows their owners sent during the previous epoch and their "
+        "gradients reach the owners one epoch later, so every exchange runs behind a whole epoch of compute; the first "
+        "epoch and evaluation stay exact",
+    )
+    stale_smoothing: float | None = _setting(
+        None, "with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the stale rows and gradients",
+        type=float, metavar="GAMMA", shown="off",
+    )
+    bucket_mb: float = _setting(1.0, "MiB of parameter gradients per all-reduce bucket")
+    checkpoint_every: int = _setting(0, "save a checkpoint every N epochs (0: never)")
+    keep_checkpoints: int = _setting(2, "checkpoints kept")
+    resume: bool = _setting(False, "continue from the newest valid checkpoint in --out")
+    verify: bool = _setting(False, "check the SHA-256 of every partition file before training")
+    debug: bool = _setting(False, "show tracebacks")
 
     @property
     def use_precompute(self) -> bool:
@@ -80,60 +105,34 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys} | {"precompute": self.use_precompute}
 
 
+def flag_name(name: str) -> str:
+    """The command-line flag of a :class:`TrainConfig` field."""
+    return "--" + name.replace("_", "-")
+
+
+def shown_default(f) -> str:
+    """A field's default as ``--help`` and docs/cli.md show it."""
+    if "shown" in f.metadata:
+        return f.metadata["shown"]
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every training flag (documented in docs/cli.md) to ``parser``."""
-    g = parser.add_argument_group("training")
-    g.add_argument("--parts-dir", type=Path, help="partition set written by bnsgcn-partition (found automatically when exactly one matches)")
-    g.add_argument("--p", type=float, default=0.1, help="boundary node sampling probability, 0 <= p <= 1 (default 0.1)")
-    g.add_argument("--model", default="graphsage", help="graphsage | gat | gcn (default graphsage)")
-    g.add_argument("--layers", type=int, default=3, help="number of GNN layers (default 3)")
-    g.add_argument("--hidden", type=int, default=256, help="hidden width (default 256; per head for gat)")
-    g.add_argument("--heads", type=int, default=4, help="attention heads for gat (default 4)")
-    g.add_argument("--dropout", type=float, default=0.5, help="dropout probability (default 0.5)")
-    g.add_argument("--norm", default="layer", help="layer | batch | none: normalisation between layers (default layer)")
-    g.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="Adam weight decay (default 0)")
-    g.add_argument("--epochs", type=int, default=200, help="training epochs (default 200)")
-    g.add_argument("--seed", type=int, default=0, help="seed of parameters, sampling and dropout (default 0)")
-    g.add_argument("--eval-every", type=int, default=10, help="evaluate every N epochs, 0 = only at the end (default 10)")
-    pre = g.add_mutually_exclusive_group()
-    pre.add_argument("--precompute", dest="precompute", action="store_true", default=None, help="precompute the first layer's full-graph aggregation (default: on for graphsage and gcn)")
-    pre.add_argument("--no-precompute", dest="precompute", action="store_false", help="aggregate the first layer every epoch")
-    g.add_argument("--inductive", action="store_true", help="train on the subgraph induced by training nodes, evaluate on the full graph")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda (set by --gpus / --procs)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
-    g.add_argument("--out", type=Path, help="run directory (default: a new runs/<timestamp>)")
-    g.add_argument("--log-json", type=Path, help="also write the per-epoch JSON lines here")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait before the job fails (default 300)")
-    g.add_argument(
-        "--exchange", default="auto",
-        help="direct | hierarchical | auto: boundary rows cross between machines once per remote node and are relayed "
-        "inside it (hierarchical), or once per rank that needs them (direct); auto = hierarchical when the job spans "
-        "several machines and some machine runs several ranks (default auto)",
-    )
-    g.add_argument(
-        "--compress", default="none",
-        help="none | fp16 | bf16 | int8 | int4: how boundary rows cross the network (int8/int4: per-row range, "
-        "stochastic rounding; compute stays float32) (default none)",
-    )
-    g.add_argument("--compress-grad", default=None, help="the same for the rows' gradients (default: as --compress)")
-    g.add_argument(
-        "--staleness", type=int, default=0,
-        help="0 | 1: with 1, each layer aggregates the boundary rows their owners sent during the previous epoch and "
-        "their gradients reach the owners one epoch later, so every exchange runs behind a whole epoch of compute; "
-        "the first epoch and evaluation stay exact (default 0)",
-    )
-    g.add_argument(
-        "--stale-smoothing", type=float, default=None, metavar="GAMMA",
-        help="with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the "
-        "stale rows and gradients (default: off)",
-    )
-    g.add_argument("--bucket-mb", type=float, default=8.0, help="MiB of parameter gradients per all-reduce bucket (default 8)")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N epochs (default 0: never)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
-    g.add_argument("--verify", action="store_true", help="check the SHA-256 of every partition file before training")
-    g.add_argument("--debug", action="store_true", help="show tracebacks")
+    """Add every training flag, as :class:`TrainConfig` defines it, to ``parser``."""
+    group = parser.add_argument_group("training")
+    for f in fields(TrainConfig):
+        options = {k: v for k, v in f.metadata.items() if k not in ("help", "shown")}
+        help_text = f"{f.metadata['help']} (default {shown_default(f)})"
+        if f.name == "precompute":  # a pair: --precompute / --no-precompute
+            pair = group.add_mutually_exclusive_group()
+            pair.add_argument("--precompute", dest="precompute", action="store_true", default=None, help=help_text)
+            pair.add_argument("--no-precompute", dest="precompute", action="store_false", help=argparse.SUPPRESS)
+        elif isinstance(f.default, bool):
+            group.add_argument(flag_name(f.name), action="store_true", help=f.metadata["help"])
+        else:
+            group.add_argument(flag_name(f.name), default=f.default, **({"type": type(f.default)} | options), help=help_text)
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -145,6 +144,12 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
 
 
 def validate(c: TrainConfig) -> None:
+    for f in fields(TrainConfig):  # nan passes every comparison below: refuse it (and inf) first
+        value = getattr(c, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{f.name.replace('_', '-')} {value} is not a finite number; pass a finite value")
+    if not -(2**63) <= c.seed < 2**63:
+        raise UserError(f"--seed {c.seed} does not fit in 64 bits; pass a smaller seed")
     if not 0.0 <= c.p <= 1.0:
         raise UserError(f"--p {c.p} is outside [0, 1]; pass a probability such as --p 0.1")
     if c.model not in MODELS:

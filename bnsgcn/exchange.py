@@ -145,7 +145,7 @@ def start_rows(
     """Encode the rows ``plan`` sends from ``x_inner`` [n_inner, *row] into ``send_buffer``
     and start the first stage's all-to-all. Returns the started work and the buffer
     [plan.num_received, *wire row] the rows land in (the network's first, the relayed ones
-    after them, see :func:`finish_rows`). Both buffers stay in use until the work is waited for."""
+    after them, see :func:`start_row_relay`). Both buffers stay in use until the work is waited for."""
     row = tuple(x_inner.shape[1:])
     wire_row, wire_dtype = wire.wire_shape(row), wire.wire_dtype(x_inner.dtype)
     send = send_buffer.view((plan.send_index.numel(), *wire_row), wire_dtype, x_inner.device)
@@ -158,53 +158,76 @@ def start_rows(
     return work, arrived
 
 
+def start_row_relay(comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_buffer: Buffer, category: str, pipelined: bool = False):
+    """Once the first stage has arrived: hand its rows on inside the node (second stage).
+    ``send_buffer`` (the first stage's, free again) carries them. Returns the work."""
+    relay, first = plan.relay, sum(plan.recv_counts)
+    hand_on = send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
+    torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
+    return comm.all_to_all_start(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True, pipelined=pipelined)
+
+
+def decode_rows(plan: ExchangePlan, arrived: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Both stages' rows, all arrived, decoded: [plan.num_received, *row] in column order."""
+    rows = wire.decode(arrived, row, dtype)
+    return rows if plan.relay is None else rows.index_select(0, plan.relay.order)
+
+
 def finish_rows(
     comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, send_buffer: Buffer, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype, category: str
 ) -> torch.Tensor:
-    """Wait for rows started by :func:`start_rows`, relay them inside the node, decode them:
-    [plan.num_received, *row] in column order. ``send_buffer`` (the one :func:`start_rows`
-    used, free again once the first stage is done) carries the relayed rows."""
+    """Wait for rows started by :func:`start_rows`, relay them inside the node, decode them."""
     comm.wait(work, category)
-    relay = plan.relay
-    if relay is not None:
-        first = sum(plan.recv_counts)
-        hand_on = send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
-        torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
-        comm.all_to_all(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True)
-    rows = wire.decode(arrived, row, dtype)
-    return rows if relay is None else rows.index_select(0, relay.order)
+    if plan.relay is not None:
+        comm.wait(start_row_relay(comm, plan, arrived, send_buffer, category), category)
+    return decode_rows(plan, arrived, wire, row, dtype)
 
 
-def start_grads(
-    comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers, pipelined: bool = False
-) -> tuple[object, torch.Tensor, torch.Tensor]:
-    """Start sending the gradients ``grad_rows`` [plan.num_received, *row] (column order) of
-    received rows back to their owners; relayed rows' gradients are first summed, in
-    float32, at the rank that relayed them. Returns the work, the tensor being sent (keep it
-    alive until the work is done) and the buffer the owner's gradients land in
-    [plan.send_index.numel(), *wire row] (decode with :func:`finish_grads`)."""
+def start_grad_relay(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, buffers: GradBuffers, pipelined: bool = False) -> tuple[object, torch.Tensor]:
+    """The gradients ``grad_rows`` [plan.num_received, *row] (column order) of relayed rows
+    go back to the ranks that relayed them. Returns the work and the gradients in buffer
+    order (its first stage's part is completed by :func:`finish_grad_relay`)."""
     relay = plan.relay
-    grad_rows = grad_rows.contiguous()
-    if relay is not None:
-        # Back to buffer order, then the relayed rows' gradients to the ranks that relayed
-        # them, which add them to their own before one row per node crosses the network.
-        arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
-        first = sum(plan.recv_counts)
-        relayed = buffers.relay.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
-        comm.all_to_all(arrived[first:], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True)
-        grad_rows = arrived
-        arrived[:first].index_add_(0, relay.send_index, relayed)
-    first_grads = grad_rows[: sum(plan.recv_counts)]
-    wire_row, wire_dtype = wire.wire_shape(tuple(grad_rows.shape[1:])), wire.wire_dtype(grad_rows.dtype)
+    arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
+    relayed = buffers.relay.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
+    work = comm.all_to_all_start(arrived[sum(plan.recv_counts) :], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True, pipelined=pipelined)
+    return work, arrived
+
+
+def finish_grad_relay(comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, buffers: GradBuffers) -> torch.Tensor:
+    """Wait for the relayed gradients and add them, in float32, to the rows this rank had
+    relayed: the first stage's gradients [sum(plan.recv_counts), *row]."""
+    comm.wait(work, "gradients")
+    first = arrived[: sum(plan.recv_counts)]
+    relayed = buffers.relay.view((plan.relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
+    return first.index_add_(0, plan.relay.send_index, relayed)
+
+
+def start_first_grads(comm: Comm, plan: ExchangePlan, first_grads: torch.Tensor, wire: WireFormat, buffers: GradBuffers, pipelined: bool = False) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """Start sending the first stage's gradients [sum(plan.recv_counts), *row] to the owners.
+    Returns the work, the tensor being sent (keep it alive until the work is done) and the
+    buffer the owner's gradients land in [plan.send_index.numel(), *wire row]."""
+    wire_row, wire_dtype = wire.wire_shape(tuple(first_grads.shape[1:])), wire.wire_dtype(first_grads.dtype)
     if not wire.exact:
-        first_grads = wire.encode(first_grads, buffers.send.view((first_grads.shape[0], *wire_row), wire_dtype, grad_rows.device))
-    received = buffers.recv.view((plan.send_index.numel(), *wire_row), wire_dtype, grad_rows.device)
+        first_grads = wire.encode(first_grads, buffers.send.view((first_grads.shape[0], *wire_row), wire_dtype, first_grads.device))
+    received = buffers.recv.view((plan.send_index.numel(), *wire_row), wire_dtype, first_grads.device)
     work = comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, received, "gradients", pipelined=pipelined)
     return work, first_grads, received
 
 
+def start_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """Relay (inside the node, waited for) and start the first stage: see :func:`start_first_grads`."""
+    grad_rows = grad_rows.contiguous()
+    if plan.relay is not None:
+        work, arrived = start_grad_relay(comm, plan, grad_rows, buffers)
+        first_grads = finish_grad_relay(comm, plan, work, arrived, buffers)
+    else:
+        first_grads = grad_rows[: sum(plan.recv_counts)]
+    return start_first_grads(comm, plan, first_grads, wire, buffers)
+
+
 def finish_grads(comm: Comm, work, received: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Wait for gradients started by :func:`start_grads` and decode them:
+    """Wait for gradients started by :func:`start_first_grads` and decode them:
     [plan.send_index.numel(), *row], one per row sent (add them at ``plan.send_index``)."""
     comm.wait(work, "gradients")
     return wire.decode(received, row, dtype)
@@ -271,7 +294,10 @@ class InFlightRows:
 
     def wait(self) -> torch.Tensor:
         """The received rows [plan.num_received, *row] (autograd-connected)."""
-        return _Receive.apply(self.token, self)
+        # The token's autograd node holds this record: dropping the record's hold on the
+        # token leaves no reference cycle, so an epoch's graph is freed when backward ends.
+        token, self.token = self.token, None
+        return _Receive.apply(token, self)
 
 
 class _Send(torch.autograd.Function):

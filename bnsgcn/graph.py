@@ -59,11 +59,12 @@ class EpochGraph:
     ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (values already
     scaled by ``1/p``) are kept apart so the inner product runs while boundary rows are
     in flight. GAT's softmax couples the two, so it uses ``full``
-    [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled].
+    [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled] instead
+    (and has no ``inner`` and ``boundary``; the other models no ``full``).
     """
 
-    inner: Adjacency
-    boundary: Adjacency
+    inner: Adjacency | None
+    boundary: Adjacency | None
     full: Adjacency | None
     column_weight: torch.Tensor | None
     plan: ExchangePlan
@@ -87,11 +88,14 @@ class ShardGraph:
         self.topology = topology
         self.device = device
         values = edge_values(topology, NORMALIZATION[model])
-        (inner_ptr, inner_idx), (bnd_ptr, bnd_idx), is_inner = _split_columns(topology)
         n, nb = topology.n_inner, topology.n_boundary
-        self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, None if values is None else values[is_inner]).to(device)
-        self.boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, None if values is None else values[~is_inner]).to(device)
-        self.full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values).to(device) if model == "gat" else None
+        self.inner = self.boundary = self.full = None
+        if model == "gat":
+            self.full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values).to(device)
+        else:
+            (inner_ptr, inner_idx), (bnd_ptr, bnd_idx), is_inner = _split_columns(topology)
+            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, values[is_inner]).to(device)
+            self.boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, values[~is_inner]).to(device)
 
     def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange | StaleExchange, traffic: str = "features") -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
@@ -100,10 +104,11 @@ class ShardGraph:
             return EpochGraph(self.inner, self.boundary, self.full, weight, plan, exchange, traffic)
         keep = keep.to(self.device)
         scale = 1.0 / p if p > 0 else 1.0
-        boundary = self.boundary.select_columns(keep)
-        if boundary.values is not None and scale != 1.0:
-            boundary = boundary.with_values(boundary.values * scale)
-        full = column_weight = None
+        boundary = full = column_weight = None
+        if self.boundary is not None:
+            boundary = self.boundary.select_columns(keep)
+            if scale != 1.0:
+                boundary = boundary.with_values(boundary.values * scale)
         if self.full is not None:
             keep_full = torch.cat([torch.ones(self.topology.n_inner, dtype=torch.bool, device=self.device), keep])
             full = self.full.select_columns(keep_full)

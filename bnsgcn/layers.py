@@ -38,6 +38,8 @@ class SAGEConv(nn.Module):
     With a precomputed ``x_agg`` (the first layer's full-graph mean) nothing is exchanged.
     """
 
+    reads_x_with_x_agg = True  # W_s h_v still needs the node's own input
+
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
         self.slot = slot
@@ -57,6 +59,8 @@ class GCNConv(nn.Module):
 
     .. math:: h'_v = \sum_{u \in N(v) \cup \{v\}} \frac{W h_u}{\sqrt{\deg(u)\deg(v)}} + b
     """
+
+    reads_x_with_x_agg = False  # with a precomputed aggregation the layer is W x_agg + b
 
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
@@ -82,6 +86,8 @@ class GATConv(nn.Module):
     unbiased. Heads are concatenated, or averaged when ``concat=False`` (output layer).
     Whichever of ``h`` [d_in] and ``z`` [H*D] is narrower is what crosses the network.
     """
+
+    reads_x_with_x_agg = True  # never given x_agg: attention is not precomputable
 
     def __init__(self, d_in: int, d_out: int, heads: int, slot: int, concat: bool = True, negative_slope: float = 0.2):
         super().__init__()

@@ -87,8 +87,15 @@ class GNN(nn.Module):
                 self.norms.append(_norm(config.norm, d_out, reduce))
             d_in = d_out
 
+    def parameters_in_forward_order(self) -> list[nn.Parameter]:
+        """Layer 0, norm 0, layer 1, ...: backward produces their gradients in reverse."""
+        modules = [m for i, layer in enumerate(self.layers) for m in (layer, *self.norms[i : i + 1])]
+        return [p for m in modules for p in m.parameters()]
+
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        h = dropout(x, self.dropout, self.training)
+        # GCN with the precomputed first aggregation never reads x itself: no mask to draw for it.
+        reads_x = x_agg is None or self.layers[0].reads_x_with_x_agg
+        h = dropout(x, self.dropout, self.training) if reads_x else x
         for i, layer in enumerate(self.layers):
             if i == 0 and x_agg is not None:
                 h = layer(h, g, dropout(x_agg, self.dropout, self.training))

@@ -1,7 +1,8 @@
 """Gradient all-reduce in buckets, overlapped with backward (as DDP does).
 
 Parameters are grouped into buckets of about ``bucket_bytes`` (``--bucket-mb``) in
-reverse registration order (roughly the order backward produces their gradients). When
+reverse forward order (the order backward produces their gradients: the last layer's
+first, each norm between the layers around it). When
 every gradient of a bucket has been accumulated its all-reduce starts asynchronously;
 buckets are launched strictly in index order so all ranks issue the same sequence of
 collectives.
@@ -18,9 +19,11 @@ from .comm import Comm
 
 
 class GradientReducer:
-    def __init__(self, model: nn.Module, comm: Comm, bucket_bytes: int):
+    """Sums the gradients of ``params`` (in the order forward uses them) over ranks."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, bucket_bytes: int):
         self.comm = comm
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0

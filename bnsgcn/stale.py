@@ -27,13 +27,53 @@ and adds that.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from .comm import Comm
 from .compress import WireFormat
-from .exchange import BoundaryExchange, Buffer, ExchangePlan, GradBuffers, InFlightRows, finish_grads, finish_rows, start_grads, start_rows
+from .exchange import (
+    BoundaryExchange,
+    Buffer,
+    ExchangePlan,
+    GradBuffers,
+    InFlightRows,
+    decode_rows,
+    finish_grad_relay,
+    finish_grads,
+    start_first_grads,
+    start_grad_relay,
+    start_row_relay,
+    start_rows,
+)
 from .shard import Topology
+
+
+@dataclass
+class _RowsInFlight:
+    """Rows sent ahead for the next epoch: the first stage's work, then (in a node-aware
+    plan) the relay's."""
+
+    work: object
+    arrived: Tensor
+    plan: ExchangePlan
+    columns: Tensor  # int64 [plan.num_received]: the boundary columns they are for
+    category: str
+    relaying: bool = False
+
+
+@dataclass
+class _GradsInFlight:
+    """This epoch's gradients on their way to the owners: first (in a node-aware plan) to
+    the ranks that relayed the rows, summed there, then across."""
+
+    work: object
+    plan: ExchangePlan
+    arrived: Tensor | None = None  # while relaying: the gradients in buffer order
+    sent: Tensor | None = None  # while crossing: kept alive until the work is done
+    received: Tensor | None = None
 
 
 class _Slot:
@@ -46,12 +86,10 @@ class _Slot:
         self.grad_buffers = GradBuffers()
         self.row: tuple[int, ...] = ()
         self.dtype = torch.float32
-        # rows sent ahead: (work, buffer, plan, columns) in flight; (rows, columns) arrived
-        self.rows_in_flight: tuple | None = None
-        self.rows: tuple[Tensor, Tensor] | None = None
-        # gradients sent back: (work, sent, received, plan) in flight; (send_index, grads) arrived
-        self.grads_in_flight: tuple | None = None
-        self.grads: tuple[Tensor, Tensor] | None = None
+        self.rows_in_flight: _RowsInFlight | None = None
+        self.rows: tuple[Tensor, Tensor] | None = None  # arrived: (rows, columns)
+        self.grads_in_flight: _GradsInFlight | None = None
+        self.grads: tuple[Tensor, Tensor] | None = None  # arrived: (send_index, grads)
         self.row_average: Tensor | None = None  # [n_boundary, *row]
         self.row_seen: Tensor | None = None  # bool [n_boundary]
         self.grad_average: Tensor | None = None  # [len(send_rows), *row]
@@ -71,7 +109,12 @@ class StaleExchange:
         self.next_columns: Tensor | None = None
 
     def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
-        """The next epoch's sample (bool [n_boundary]) and plan: what this epoch sends ahead."""
+        """At the start of an epoch: the next epoch's sample (bool [n_boundary]) and plan,
+        what this epoch sends ahead for. The previous epoch's transfers move on to their
+        next stage here (see :meth:`_relay_rows`, :meth:`_grads_cross`)."""
+        for state in self.slots.values():
+            self._grads_cross(state)
+            self._relay_rows(state)
         self.next_plan = next_plan
         self.next_columns = next_keep.nonzero().flatten().to(self.comm.device)
 
@@ -93,24 +136,59 @@ class StaleExchange:
             self._rows_arrived(state)
             self._grads_arrived(state)
 
+    # Rows for epoch t+1: the first stage starts in the layer's forward of epoch t; in a
+    # node-aware plan the relay inside the node starts when epoch t+1 starts (prepare); the
+    # layer's forward of epoch t+1 waits for them. Each stage runs behind compute.
     def _send_ahead(self, state: _Slot, x_inner: Tensor, category: str) -> None:
         assert self.next_plan is not None, "prepare() names the next epoch's sample before an epoch starts"
         state.row, state.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
         state.parity ^= 1
         work, arrived = start_rows(self.comm, x_inner, self.next_plan, self.rows_format, state.send, state.recv[state.parity], category, pipelined=True)
-        state.rows_in_flight = (work, arrived, self.next_plan, self.next_columns, category)
+        state.rows_in_flight = _RowsInFlight(work, arrived, self.next_plan, self.next_columns, category)
+
+    def _relay_rows(self, state: _Slot) -> None:
+        flight = state.rows_in_flight
+        if flight is not None and flight.plan.relay is not None and not flight.relaying:
+            self.comm.wait(flight.work, flight.category)
+            flight.work = start_row_relay(self.comm, flight.plan, flight.arrived, state.send, flight.category, pipelined=True)
+            flight.relaying = True
 
     def _rows_arrived(self, state: _Slot) -> None:
-        if state.rows_in_flight is not None:
-            work, arrived, plan, columns, category = state.rows_in_flight
-            rows = finish_rows(self.comm, plan, work, arrived, state.send, self.rows_format, state.row, state.dtype, category)
-            state.rows, state.rows_in_flight = (rows, columns), None
+        flight = state.rows_in_flight
+        if flight is not None:
+            self._relay_rows(state)
+            self.comm.wait(flight.work, flight.category)
+            state.rows = (decode_rows(flight.plan, flight.arrived, self.rows_format, state.row, state.dtype), flight.columns)
+            state.rows_in_flight = None
+
+    # Gradients of epoch t: in a node-aware plan the relay inside the node starts in the
+    # layer's backward of epoch t and the first stage (across) when epoch t+1 starts
+    # (prepare), else the first stage starts at once; the layer's backward of epoch t+1
+    # waits for them.
+    def _send_grads(self, state: _Slot, plan: ExchangePlan, grad_rows: Tensor) -> None:
+        grad_rows = grad_rows.contiguous()
+        if plan.relay is None:
+            state.grads_in_flight = _GradsInFlight(None, plan)
+            self._grads_cross(state, grad_rows[: sum(plan.recv_counts)])
+        else:
+            work, arrived = start_grad_relay(self.comm, plan, grad_rows, state.grad_buffers, pipelined=True)
+            state.grads_in_flight = _GradsInFlight(work, plan, arrived=arrived)
+
+    def _grads_cross(self, state: _Slot, first_grads: Tensor | None = None) -> None:
+        flight = state.grads_in_flight
+        if first_grads is None:  # the relay's sum first
+            if flight is None or flight.arrived is None:
+                return
+            first_grads = finish_grad_relay(self.comm, flight.plan, flight.work, flight.arrived, state.grad_buffers)
+            flight.arrived = None
+        flight.work, flight.sent, flight.received = start_first_grads(self.comm, flight.plan, first_grads, self.grads_format, state.grad_buffers, pipelined=True)
 
     def _grads_arrived(self, state: _Slot) -> None:
-        if state.grads_in_flight is not None:
-            work, _sent, received, plan = state.grads_in_flight
-            grads = finish_grads(self.comm, work, received, self.grads_format, state.row, state.dtype)
-            state.grads, state.grads_in_flight = (plan.send_index, grads), None
+        flight = state.grads_in_flight
+        if flight is not None:
+            self._grads_cross(state)
+            grads = finish_grads(self.comm, flight.work, flight.received, self.grads_format, state.row, state.dtype)
+            state.grads, state.grads_in_flight = (flight.plan.send_index, grads), None
 
     def _take_rows(self, state: _Slot, plan: ExchangePlan) -> Tensor:
         """This epoch's rows [plan.num_received, *row] (smoothed when asked)."""
@@ -144,10 +222,6 @@ class StaleExchange:
         current = dense[self.send_rows]
         state.grad_average = current if state.grad_average is None else torch.lerp(current, state.grad_average, self.smoothing)
         return dense.index_copy_(0, self.send_rows, state.grad_average)
-
-    def _send_grads(self, state: _Slot, plan: ExchangePlan, grad_rows: Tensor) -> None:
-        work, sent, received = start_grads(self.comm, plan, grad_rows, self.grads_format, state.grad_buffers, pipelined=True)
-        state.grads_in_flight = (work, sent, received, plan)
 
     def state_dict(self) -> dict:
         """This rank's stale rows, gradients and averages (call :meth:`drain` first)."""
@@ -192,7 +266,8 @@ class _StaleFlight:
 
     def wait(self) -> Tensor:
         """This epoch's (stale) rows [plan.num_received, *row], autograd-connected."""
-        return _StaleReceive.apply(self.token, self)
+        token, self.token = self.token, None  # no reference cycle (see InFlightRows.wait)
+        return _StaleReceive.apply(token, self)
 
 
 class _StaleSend(torch.autograd.Function):

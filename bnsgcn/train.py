@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -155,7 +156,78 @@ def _scores(counts: Tensor, multilabel: bool) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Job:
+    """One rank's training job, as :func:`_setup` builds it."""
+
+    config: TrainConfig  # ``exchange`` resolved
+    resolved: TrainConfig  # every choice made (config.json)
+    comm: Comm
+    shard: Shard
+    eval_inputs: GraphInputs
+    train_inputs: GraphInputs
+    global_train: int  # training nodes of all ranks
+    run_dir: Path
+    log: logging.Logger
+    model: GNN
+    optimizer: torch.optim.Optimizer
+    reducer: GradientReducer
+    exchange: BoundaryExchange  # synchronous: evaluation, and training with --staleness 0
+    stale: StaleExchange | None  # training with --staleness 1
+    signature: dict  # what a checkpoint must agree on
+    baseline_rss: int  # the process before any graph data
+
+
+@dataclass
+class Best:
+    """The best validation score so far: its epoch, test score and model state."""
+
+    val_score: float = -1.0
+    epoch: int = -1
+    test_score: float | None = None
+    state: dict | None = None
+
+    def update(self, epoch: int, scores: dict[str, float], model: GNN) -> None:
+        if scores["val_score"] > self.val_score:
+            self.val_score, self.epoch, self.test_score = scores["val_score"], epoch, scores["test_score"]
+            self.state = copy.deepcopy(model.state_dict())
+
+
 def _train(config: TrainConfig, comm: Comm) -> dict:
+    job = _setup(config, comm)
+    start_epoch, best = _resume(job)
+    metrics = _open_run_files(job, start_epoch)
+    samples = _Samples(job)
+    comm.stats.reset()  # setup traffic is not an epoch's
+    progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
+    totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
+    last_loss = float("nan")
+    for epoch in range(start_epoch, config.epochs):
+        account = EpochAccount()
+        t0 = time.perf_counter()
+        _train_epoch(job, samples, epoch, account)
+        scores = None
+        if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
+            with account.timed("evaluation"):
+                scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.exchange)
+            best.update(epoch + 1, scores, job.model)
+        account.values["epoch_time"] = time.perf_counter() - t0
+        account.take_comm(comm)
+        table = account.gather(comm)
+        totals += table
+        last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
+        _write_epoch(job, metrics, _epoch_record(epoch + 1, last_loss, table), scores)
+        _checkpoint(job, epoch + 1, best)
+        progress.update()
+    progress.close()
+    if job.stale is not None:
+        job.stale.drain()  # the transfers for the epoch after the last one
+    return _finish(job, metrics, best, totals, config.epochs - start_epoch, last_loss)
+
+
+def _setup(config: TrainConfig, comm: Comm) -> Job:
+    """Load the shard, build both graphs, the model, optimizer, reducer and exchanges; then
+    (only for input that passed every check) the run directory and its log."""
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
@@ -167,123 +239,180 @@ def _train(config: TrainConfig, comm: Comm) -> dict:
     global_train = int(comm.all_reduce(torch.tensor([float(train_inputs.train_mask.sum())], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
-    # Only input that passed every check gets a run directory: a failed start leaves none.
     run_dir = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
         comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, config.exchange,
     )
-
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    reducer = GradientReducer(model, comm, config.bucket_bytes)
     rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
     exchange = BoundaryExchange(comm, rows_format, grads_format)
-    stale = StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None
-    signature = {"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()}
+    return Job(
+        config=config,
+        resolved=config.resolved(run_dir, comm.device.type, torch.get_num_threads()),
+        comm=comm,
+        shard=shard,
+        eval_inputs=eval_inputs,
+        train_inputs=train_inputs,
+        global_train=global_train,
+        run_dir=run_dir,
+        log=log,
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay),
+        reducer=GradientReducer(model.parameters_in_forward_order(), comm, config.bucket_bytes),
+        exchange=exchange,
+        stale=StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None,
+        signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
+        baseline_rss=baseline_rss,
+    )
 
-    start_epoch, best = 0, {"val_score": -1.0, "epoch": -1, "test_score": None, "state": None}
-    if config.resume:
-        state = checkpoint.load_latest(run_dir, signature)
-        if state is None:
-            log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(run_dir))
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            start_epoch, best = state["epoch"], state["best"]
-            if stale is not None:
-                stale.load_state_dict(_stale_part(checkpoint.load_part(run_dir, start_epoch, comm.rank), config, run_dir, start_epoch, comm.rank))
-            log.info("resumed from epoch %d", start_epoch)
-    resolved = config.resolved(run_dir, comm.device.type, torch.get_num_threads())
-    if comm.rank == 0:
-        layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members]}
-        (run_dir / "config.json").write_text(json.dumps(resolved.to_json() | layout, indent=1) + "\n")
-    metric_paths = [run_dir / "metrics.jsonl"] + ([config.log_json] if config.log_json else [])
-    metrics = MetricsWriter(metric_paths, keep_epochs=start_epoch) if comm.rank == 0 else None
 
-    comm.stats.reset()  # setup traffic is not an epoch's
-    progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
-    totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
-    last_loss = float("nan")
-    sample = lambda epoch: _sample(config, comm, train_inputs, epoch)  # noqa: E731
-    ahead = None  # with staleness: the epoch's sample, drawn during the previous epoch
-    for epoch in range(start_epoch, config.epochs):
-        account = EpochAccount()
-        t0 = time.perf_counter()
-        with account.timed("sampling"):  # sample -> exchange selections -> this epoch's graph
-            keep, plan = ahead or sample(epoch)
-            if stale is not None:
-                ahead = sample(epoch + 1)
-                stale.prepare(ahead[1], ahead[0])
-            g = train_inputs.graph.epoch(keep, config.p, plan, stale or exchange)
-        model.train()
-        torch.manual_seed(derive_seed(config.seed, comm.rank, epoch, 1))  # dropout
-        with account.timed("forward"), account.saved_tensors():
-            logits = model(train_inputs.features, g, train_inputs.x_agg)
-            mask = train_inputs.train_mask
-            loss_sum = _loss_sum(logits[mask], train_inputs.labels[mask], shard.multilabel)
-        optimizer.zero_grad(set_to_none=False)
-        with account.timed("backward"):
-            (loss_sum / global_train).backward()
-        with account.timed("reduction"):
-            reducer.finish()
-        optimizer.step()
-        account.values.update(loss_sum=float(loss_sum.detach()), sampled_boundary=plan.num_received)
-        evaluate = (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs
-        if evaluate:
-            with account.timed("evaluation"):
-                scores = _evaluate(model, eval_inputs, shard, comm, exchange)
-        account.values["epoch_time"] = time.perf_counter() - t0
-        account.take_comm(comm)
-        table = account.gather(comm)
-        totals += table
-        last_loss = float(table[:, INDEX["loss_sum"]].sum()) / global_train
-        record = _epoch_record(epoch + 1, last_loss, table)
-        if evaluate:
-            record.update(scores)
-            if scores["val_score"] > best["val_score"]:
-                best = {"val_score": scores["val_score"], "epoch": epoch + 1, "test_score": scores["test_score"], "state": copy.deepcopy(model.state_dict())}
+def _resume(job: Job) -> tuple[int, Best]:
+    """The first epoch to run and the best model so far: from the checkpoint with --resume."""
+    if not job.config.resume:
+        return 0, Best()
+    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale is not None)
+    if state is None:
+        job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
+        return 0, Best()
+    job.model.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    if job.stale is not None:
+        job.stale.load_state_dict(stale_state)
+    job.log.info("resumed from epoch %d", state["epoch"])
+    return state["epoch"], Best(**state["best"])
+
+
+def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
+    """Rank 0 writes config.json and opens metrics.jsonl (keeping the epochs a resumed
+    checkpoint covers)."""
+    if job.comm.rank != 0:
+        return None
+    comm = job.comm
+    layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members]}
+    (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
+    return MetricsWriter([job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []), keep_epochs=start_epoch)
+
+
+class _Samples:
+    """Each epoch's boundary sample (bool [n_boundary]) and plan. With staleness the next
+    epoch's is drawn one epoch ahead, for the stale exchange to send ahead for. All ranks
+    call together (a plan exchanges selections)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.ahead: tuple[Tensor, ExchangePlan] | None = None
+
+    def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        keep, plan = self.ahead or self._draw(epoch)
+        if self.job.stale is not None:
+            self.ahead = self._draw(epoch + 1)
+            self.job.stale.prepare(self.ahead[1], self.ahead[0])
+        return keep, plan
+
+    def _draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        config, inputs = self.job.config, self.job.train_inputs
+        keep = sample_boundary(inputs.topology.boundary_counts, config.p, config.seed, self.job.comm.rank, epoch)
+        return keep, inputs.planner.sample(keep, config.p)
+
+
+def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount) -> None:
+    """sample -> this epoch's graph -> forward -> loss -> backward -> reduce -> step."""
+    config, inputs = job.config, job.train_inputs
+    with account.timed("sampling"):
+        keep, plan = samples.draw(epoch)
+        g = inputs.graph.epoch(keep, config.p, plan, job.stale or job.exchange)
+    job.model.train()
+    torch.manual_seed(derive_seed(config.seed, job.comm.rank, epoch, 1))  # dropout
+    with account.timed("forward"), account.saved_tensors():
+        logits = job.model(inputs.features, g, inputs.x_agg)
+        loss_sum = _loss_sum(logits[inputs.train_mask], inputs.labels[inputs.train_mask], job.shard.multilabel)
+    job.optimizer.zero_grad(set_to_none=False)
+    with account.timed("backward"):
+        (loss_sum / job.global_train).backward()
+    with account.timed("reduction"):
+        job.reducer.finish()
+    job.optimizer.step()
+    account.values.update(loss_sum=float(loss_sum.detach()), sampled_boundary=plan.num_received)
+
+
+def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: dict[str, float] | None) -> None:
+    """Rank 0: the epoch's JSON line, and a log line when it was evaluated."""
+    if metrics is None:
+        return
+    metrics.write(record | (scores or {}))
+    if scores is not None:
+        job.log.info(
+            "epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)",
+            record["epoch"], record["loss"], scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"],
+        )
+
+
+def _checkpoint(job: Job, epoch: int, best: Best) -> None:
+    """Every --checkpoint-every epochs: each rank's stale part, then rank 0's checkpoint."""
+    config, comm = job.config, job.comm
+    if not config.checkpoint_every:
+        return
+    if epoch % config.checkpoint_every == 0:
+        if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
+            job.stale.drain()
+            checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
+            comm.barrier()
         if comm.rank == 0:
-            metrics.write(record)
-            if evaluate:
-                log.info("epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)", epoch + 1, last_loss, scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"])
-        if config.checkpoint_every and (epoch + 1) % config.checkpoint_every == 0:
-            if stale is not None:  # every part is written before rank 0 writes the checkpoint
-                stale.drain()
-                checkpoint.save_part(run_dir, epoch + 1, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **stale.state_dict()})
-                comm.barrier()
-            if comm.rank == 0:
-                checkpoint.save(run_dir, epoch + 1, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "best": best, "signature": signature}, config.keep_checkpoints)
-        if config.checkpoint_every:
-            comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
-        progress.update()
-    progress.close()
-    if stale is not None:
-        stale.drain()  # the transfers for the epoch after the last one
+            state = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(), "best": dict(vars(best)), "signature": job.signature}
+            checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
+    comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
-    partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, eval_inputs.x_agg, train_inputs.x_agg)
-    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes, baseline_rss))
-    summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best["val_score"], "best_epoch": best["epoch"], "test_score": best["test_score"], "run_dir": str(run_dir)}
-    if comm.rank == 0:
-        epochs_run = config.epochs - start_epoch
-        report.write(run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": resolved.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
-        if best["state"] is not None:
-            torch.save(best["state"], run_dir / "best_model.pt")
+
+def _finish(job: Job, metrics: MetricsWriter | None, best: Best, totals: Tensor, epochs_run: int, last_loss: float) -> dict:
+    """The report (``totals``: every rank's figures summed over the ``epochs_run`` epochs),
+    the best model and the summary line (rank 0); the summary (every rank)."""
+    config, comm, shard = job.config, job.comm, job.shard
+    topo = shard.topology
+    partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, job.eval_inputs.x_agg, job.train_inputs.x_agg)
+    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes, job.baseline_rss))
+    summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
+    if metrics is not None:
+        report.write(job.run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
+        if best.state is not None:
+            torch.save(best.state, job.run_dir / "best_model.pt")
         metrics.write(summary)
         metrics.close()
-        log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best["val_score"], best["epoch"], best["test_score"], run_dir)
-    return summary | {"model": model}
+        job.log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best.val_score, best.epoch, best.test_score, job.run_dir)
+    return summary | {"model": job.model}
 
 
-def _stale_part(part: dict, config: TrainConfig, run_dir: Path, epoch: int, rank: int) -> dict:
-    """A checkpoint part's stale rows belong to the samples of its --p and --seed: refuse others."""
-    p, seed = part["sample"]["p"], part["sample"]["seed"]
-    if (p, seed) != (config.p, config.seed):
-        path = checkpoint.part_path(run_dir, epoch, rank)
-        raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
-    return part
+def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool) -> tuple[dict | None, dict | None]:
+    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
+    staleness, its own part), or every rank stops with the first rank's error."""
+    chosen = error = None
+    if comm.rank == 0:
+        try:
+            chosen = checkpoint.newest(run_dir, signature)
+        except UserError as exc:
+            error = str(exc)
+    chosen, error = comm.broadcast_object((chosen, error))
+    if error:
+        raise UserError(error)
+    if chosen is None:
+        return None, None
+    state = stale_state = None
+    try:
+        state = checkpoint.load(chosen, signature)
+        if stale:
+            stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
+            p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
+            if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
+                path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
+                raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
+    except UserError as exc:
+        error = f"rank {comm.rank}: {exc}"
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return state, stale_state
 
 
 def _sample(config: TrainConfig, comm: Comm, inputs: GraphInputs, epoch: int) -> tuple[Tensor, ExchangePlan]:

@@ -223,8 +223,13 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         (["--layers", "0"], ["--layers 0 must be a positive integer"]),
         (["--hidden", "-8"], ["--hidden -8 must be a positive integer"]),
         (["--epochs", "0"], ["--epochs 0 must be a positive integer"]),
+        (["--lr", "nan"], ["--lr nan is not a finite number", "pass a finite value"]),
+        (["--p", "nan"], ["--p nan is not a finite number"]),
+        (["--timeout", "inf"], ["--timeout inf is not a finite number"]),
+        (["--bucket-mb=-inf"], ["--bucket-mb -inf is not a finite number"]),
+        (["--seed", str(2**64)], [f"--seed {2**64} does not fit in 64 bits"]),
     ],
-    ids=["unknown-model", "p-above-1", "p-below-0", "layers-0", "hidden-negative", "epochs-0"],
+    ids=["unknown-model", "p-above-1", "p-below-0", "layers-0", "hidden-negative", "epochs-0", "lr-nan", "p-nan", "timeout-inf", "bucket-minus-inf", "seed-too-big"],
 )
 def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):
     # The flag comes last so that it overrides SMALL_RUN's value.

@@ -99,10 +99,24 @@ def test_several_gradient_buckets_match_single_process(tmp_path):
     for config in configs:  # the ranks build the same reducer: it has several buckets
         torch.manual_seed(config.seed)
         model = GNN(config, graph.features.shape[1], graph.num_classes, lambda t: t)
-        assert len(GradientReducer(model, one_rank, config.bucket_bytes).buckets) >= 3
+        assert len(GradientReducer(model.parameters_in_forward_order(), one_rank, config.bucket_bytes).buckets) >= 3
     results = run_ranks(2, configs)
     for i, config in enumerate(configs):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
+
+
+def test_buckets_follow_the_order_backward_produces_gradients():
+    config = TrainConfig(model="graphsage", layers=4, hidden=256, norm="layer")
+    model = GNN(config, 602, 41, lambda t: t)  # Reddit's widths
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for p in model.parameters_in_forward_order()]
+    assert sorted(order) == sorted(names.values())  # every parameter, once
+    blocks = list(dict.fromkeys(".".join(n.split(".")[:2]) for n in order))
+    assert blocks == ["layers.0", "norms.0", "layers.1", "norms.1", "layers.2", "norms.2", "layers.3"]
+    one_rank = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
+    buckets = GradientReducer(model.parameters_in_forward_order(), one_rank, config.bucket_bytes).buckets
+    assert len(buckets) >= 2  # the default size lets reduction start before backward ends
+    assert names[id(buckets[0][0])].startswith("layers.3.")  # the first gradients backward produces
 
 
 def test_bucket_size_must_be_positive():
