@@ -42,18 +42,19 @@ TARGET_POINTS = 0.5
 STALE_TARGET_POINTS = 1.0
 
 
-def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, staleness: int, seed: int) -> dict:
+def run_one(work: Path, graph: str, data_dir: str | None, fmt: str, p: float, staleness: int, smoothing: float | None, seed: int) -> dict:
     spec, parts, method, flags = GRAPHS[graph]
     parts_dir = work / "parts" / f"{graph}-{parts}"
     data = ["--data-dir", data_dir] if data_dir and graph == "cora" else []
     error = execute(["bnsgcn-partition", spec, "--parts", str(parts), "--method", method, *data, "--out", str(parts_dir)], os.cpu_count() or 1, 600)[1]
-    record = {"graph": graph, "format": fmt, "p": p, "staleness": staleness, "seed": seed}
+    record = {"graph": graph, "format": fmt, "p": p, "staleness": staleness, "smoothing": smoothing, "seed": seed}
     if error:
         return record | {"error": error}
-    run_dir = work / "runs" / f"{graph}-{fmt}-p{p:g}-stale{staleness}-s{seed}"
+    run_dir = work / "runs" / f"{graph}-{fmt}-p{p:g}-stale{staleness}{f'-smooth{smoothing:g}' if smoothing else ''}-s{seed}"
+    smoothing_flags = ["--stale-smoothing", f"{smoothing:g}"] if smoothing else []
     threads = threads_per_rank(parts, os.cpu_count() or 1)
     command = ["bnsgcn-train", "--parts-dir", str(parts_dir), "--procs", str(parts), "--threads", str(threads), "--p", f"{p:g}",
-               "--compress", fmt, "--staleness", str(staleness), "--seed", str(seed), *flags, "--out", str(run_dir)]
+               "--compress", fmt, "--staleness", str(staleness), *smoothing_flags, "--seed", str(seed), *flags, "--out", str(run_dir)]
     wall, error = execute(command, threads, 1800)
     if error:
         return record | {"error": error}
@@ -67,16 +68,16 @@ def summarise(runs: list[dict]) -> list[dict]:
     groups: dict[tuple, list[float]] = {}
     for r in runs:
         if "error" not in r:
-            groups.setdefault((r["graph"], r["format"], r["p"], r.get("staleness", 0)), []).append(r["test_score"])
+            groups.setdefault((r["graph"], r["format"], r["p"], r.get("staleness", 0), r.get("smoothing")), []).append(r["test_score"])
     mean = lambda key: statistics.fmean(groups[key]) if key in groups else None  # noqa: E731
     rows = []
-    for (graph, fmt, p, staleness), scores in groups.items():
+    for (graph, fmt, p, staleness, smoothing), scores in groups.items():
         here = statistics.fmean(scores)
-        none, exact = mean((graph, "none", p, staleness)), mean((graph, fmt, p, 0))
+        none, exact = mean((graph, "none", p, staleness, smoothing)), mean((graph, fmt, p, 0, None))
         vs_none = None if none is None else 100 * (here - none)
         vs_exact = None if exact is None or staleness == 0 else 100 * (here - exact)
         rows.append({
-            "graph": graph, "format": fmt, "p": p, "staleness": staleness, "seeds": len(scores), "test_mean": here, "test_scores": scores,
+            "graph": graph, "format": fmt, "p": p, "staleness": staleness, "smoothing": smoothing, "seeds": len(scores), "test_mean": here, "test_scores": scores,
             "points_vs_none": vs_none, "met": None if vs_none is None or fmt not in ("int8", "fp16") else vs_none >= -TARGET_POINTS - 1e-9,
             "points_vs_staleness_0": vs_exact, "stale_met": None if vs_exact is None else vs_exact >= -STALE_TARGET_POINTS - 1e-9,
         })
@@ -88,12 +89,21 @@ def render(document: dict) -> str:
             "points vs staleness 0", f"within {STALE_TARGET_POINTS:g}"]
     verdict = lambda met: {True: "met", False: "missed"}.get(met, "-")  # noqa: E731
     points = lambda value: "-" if value is None else f"{value:+.2f}"  # noqa: E731
-    rows = [[r["graph"], f"{r['p']:g}", r["format"], str(r.get("staleness", 0)), str(r["seeds"]), f"{100 * r['test_mean']:.2f}",
+    stale = lambda r: str(r.get("staleness", 0)) + (f" (smoothing {r['smoothing']:g})" if r.get("smoothing") else "")  # noqa: E731
+    rows = [[r["graph"], f"{r['p']:g}", r["format"], stale(r), str(r["seeds"]), f"{100 * r['test_mean']:.2f}",
              " / ".join(f"{100 * s:.1f}" for s in r["test_scores"]), points(r["points_vs_none"]), verdict(r["met"]),
              points(r.get("points_vs_staleness_0")), verdict(r.get("stale_met"))]
-            for r in sorted(document["summary"], key=lambda r: (r["graph"], -r["p"], r.get("staleness", 0), FORMATS.index(r["format"])))]
+            for r in sorted(document["summary"], key=lambda r: (r["graph"], -r["p"], r.get("staleness", 0), r.get("smoothing") or 0, FORMATS.index(r["format"])))]
     failed = [f"failed: {r['graph']} {r['format']} p={r['p']:g} staleness {r.get('staleness', 0)} seed {r['seed']}: {r['error']}" for r in document["runs"] if "error" in r]
-    return "\n".join([f"{document['date']}, {document['machine']['cores']} cores; command: `{document['command']}`", "", _table(head, rows), *failed])
+    commands = "; ".join(f"`{c}`" for c in document.get("commands", [document["command"]]))
+    return "\n".join([f"{document['date']}, {document['machine']['cores']} cores; commands: {commands}", "", _table(head, rows), *failed])
+
+
+def _load(out: Path) -> dict:
+    try:
+        return json.loads(out.read_text())
+    except (OSError, ValueError):
+        return {"runs": []}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--p", nargs="+", type=float, default=[1.0, 0.1])
     parser.add_argument("--staleness", nargs="+", type=int, choices=(0, 1), default=[0])
+    parser.add_argument("--stale-smoothing", type=float, help="--stale-smoothing of the staleness 1 runs (default: off)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bnsgcn-compression"), help="partition sets and run directories")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compression.json")
@@ -111,11 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(render(json.loads(args.render.read_text())))
         return 0
-    document = {"date": date.today().isoformat(), "machine": machine(), "command": "python -m benchmarks.compression " + " ".join(argv or sys.argv[1:]), "runs": []}
+    command = "python -m benchmarks.compression " + " ".join(argv or sys.argv[1:])
+    # Runs already in --out are kept (a run of the same settings and seed is replaced), so
+    # a grid can be extended; every command that contributed is listed.
+    document = _load(args.out) | {"date": date.today().isoformat(), "machine": machine()}
+    document["commands"] = [*document.get("commands", [document["command"]] if "command" in document else []), command]
+    document["command"] = command
     grid = [(g, f, p, st, s) for g in args.graphs for p in args.p for s in args.seeds for st in args.staleness for f in args.formats]
     for i, (graph, fmt, p, staleness, seed) in enumerate(grid, 1):
-        print(f"[{i}/{len(grid)}] {graph} {fmt} p={p:g} staleness {staleness} seed {seed}", file=sys.stderr, flush=True)
-        document["runs"].append(run_one(args.work, graph, args.data_dir, fmt, p, staleness, seed))
+        smoothing = args.stale_smoothing if staleness else None
+        print(f"[{i}/{len(grid)}] {graph} {fmt} p={p:g} staleness {staleness} smoothing {smoothing} seed {seed}", file=sys.stderr, flush=True)
+        record = run_one(args.work, graph, args.data_dir, fmt, p, staleness, smoothing, seed)
+        key = lambda r: (r["graph"], r["format"], r["p"], r.get("staleness", 0), r.get("smoothing"), r["seed"])  # noqa: E731
+        document["runs"] = [r for r in document["runs"] if key(r) != key(record)] + [record]
         document["summary"] = summarise(document["runs"])
         write_json(args.out, document)
     print(render(document))
