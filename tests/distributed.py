@@ -8,6 +8,7 @@ import random
 import socket
 import traceback
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 import torch
@@ -98,7 +99,11 @@ def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, node
     results: list = [None] * world
     try:
         for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
+            try:
+                rank, res, err = queue.get(timeout=timeout)
+            except Empty:  # say which ranks hang and which died (a crash reports nothing)
+                states = [f"rank {r} {'still running' if procs[r].is_alive() else f'exited with {procs[r].exitcode}'}" for r in range(world) if results[r] is None]
+                raise AssertionError(f"no result within {timeout:.0f} s: {', '.join(states)}") from None
             if err:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
             results[rank] = res
