@@ -81,8 +81,9 @@ def has_checkpoints(run_dir: Path) -> bool:
     return bool(_list(checkpoint_dir(run_dir)))
 
 
-def newest(run_dir: Path, signature: dict) -> Path | None:
-    """The newest checkpoint that loads (a torn or corrupt one is skipped), or None.
+def newest(run_dir: Path, signature: dict) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads (a torn or corrupt one is skipped) and its state,
+    or None.
 
     A checkpoint written for another partition set or model configuration (its
     ``signature`` differs) is refused with :class:`UserError`.
@@ -92,8 +93,7 @@ def newest(run_dir: Path, signature: dict) -> Path | None:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a torn or corrupt file: fall back to the previous one
             continue
-        _checked(path, state, signature)
-        return path
+        return path, _checked(path, state, signature)
     return None
 
 

@@ -147,7 +147,7 @@ def validate(c: TrainConfig) -> None:
     for f in fields(TrainConfig):  # nan passes every comparison below: refuse it (and inf) first
         value = getattr(c, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{f.name.replace('_', '-')} {value} is not a finite number; pass a finite value")
+            raise UserError(f"{flag_name(f.name)} {value} is not a finite number; pass a finite value")
     if not -(2**63) <= c.seed < 2**63:
         raise UserError(f"--seed {c.seed} does not fit in 64 bits; pass a smaller seed")
     if not 0.0 <= c.p <= 1.0:

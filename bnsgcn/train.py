@@ -387,10 +387,10 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, totals: Tensor,
 def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool) -> tuple[dict | None, dict | None]:
     """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
     staleness, its own part), or every rank stops with the first rank's error."""
-    chosen = error = None
+    chosen = state = error = None
     if comm.rank == 0:
         try:
-            chosen = checkpoint.newest(run_dir, signature)
+            chosen, state = checkpoint.newest(run_dir, signature) or (None, None)
         except UserError as exc:
             error = str(exc)
     chosen, error = comm.broadcast_object((chosen, error))
@@ -398,9 +398,10 @@ def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: 
         raise UserError(error)
     if chosen is None:
         return None, None
-    state = stale_state = None
+    stale_state = None
     try:
-        state = checkpoint.load(chosen, signature)
+        if state is None:  # rank 0 has it already
+            state = checkpoint.load(chosen, signature)
         if stale:
             stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
             p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]

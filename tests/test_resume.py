@@ -36,7 +36,7 @@ def _save(run_dir, epoch):
 def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path):
     _save(tmp_path, 2)
     _save(tmp_path, 4)
-    assert checkpoint.newest(tmp_path, SIGNATURE).name == "checkpoint-000004.pt"
+    assert checkpoint.newest(tmp_path, SIGNATURE)[0].name == "checkpoint-000004.pt"
     # Rank 0 chose epoch 2 (say epoch 4 was still being written when it looked): rank 1,
     # which can read epoch 4, still loads epoch 2.
     chosen = checkpoint.checkpoint_dir(tmp_path) / "checkpoint-000002.pt"
@@ -59,8 +59,9 @@ def test_newest_skips_a_torn_checkpoint_and_refuses_another_runs(tmp_path):
     _save(tmp_path, 2)
     _save(tmp_path, 4)
     (checkpoint.checkpoint_dir(tmp_path) / "checkpoint-000004.pt").write_bytes(b"torn")
-    assert checkpoint.newest(tmp_path, SIGNATURE).name == "checkpoint-000002.pt"
+    assert checkpoint.newest(tmp_path, SIGNATURE)[0].name == "checkpoint-000002.pt"
     with pytest.raises(UserError, match="written for a different run \\(model differ\\)"):
         checkpoint.newest(tmp_path, {"model": "gat"})
     assert checkpoint.newest(tmp_path / "elsewhere", SIGNATURE) is None
-    assert torch.load(checkpoint.newest(tmp_path, SIGNATURE), weights_only=True)["epoch"] == 2
+    path, state = checkpoint.newest(tmp_path, SIGNATURE)
+    assert state["epoch"] == 2 and torch.load(path, weights_only=True)["epoch"] == 2
