@@ -24,7 +24,7 @@ What it builds (needs root: network namespaces; nothing is added to the host's n
 * with ``--link RATE``, a token bucket (``tc qdisc tbf``) on both ends of every pair, so
   each node's link is capped in both directions.
 
-Every run starts, in each node's namespace, ``bnsgcn-train`` (``python -m launch.cli``)
+Every run starts, in each node's namespace, ``bnsgcn-train`` (``python -m bnsgcn.launch.cli``)
 exactly as on a real machine (``--nnodes``, ``--node-rank``, ``--master-addr`` = node 0),
 with ``GLOO_SOCKET_IFNAME=eth0`` and a host name of its own (``node<i>``, in a fresh UTS
 namespace). The first failing node stops the others and the run is recorded with its error.

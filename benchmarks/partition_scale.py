@@ -32,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bnsgcn.format import load_partition  # noqa: E402
-from partition.datasets import load_dataset  # noqa: E402
-from partition.partitioner import assign, method_info  # noqa: E402
-from partition.writer import format_report, write_partition_set  # noqa: E402
+from bnsgcn.partition.datasets import load_dataset  # noqa: E402
+from bnsgcn.partition.partitioner import assign, method_info  # noqa: E402
+from bnsgcn.partition.writer import format_report, write_partition_set  # noqa: E402
 
 REDDIT_SIZED = "synthetic:nodes=232965,degree=490,features=602,classes=41"
 GIB = 1024**3

@@ -61,7 +61,7 @@ from bnsgcn.errors import UserError  # noqa: E402
 
 # console script -> the module it runs (executed as ``python -m module``, so the suite
 # needs no installed entry points)
-COMMANDS = {"bnsgcn-partition": "partition.cli", "bnsgcn-train": "launch.cli"}
+COMMANDS = {"bnsgcn-partition": "bnsgcn.partition.cli", "bnsgcn-train": "bnsgcn.launch.cli"}
 MODELS = {
     "graphsage": {"layers": 3, "hidden": 128},  # first layer precomputed (the engine's default)
     "gat": {"layers": 3, "hidden": 32, "heads": 4},

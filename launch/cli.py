@@ -5,7 +5,7 @@ Two modes, chosen from the environment (docs/cli.md has examples of each):
 * **one rank** -- under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) or as
   one task of a multi-task ``srun`` step, this process is one rank and trains in-process.
 * **local** -- otherwise this process starts the local ranks of the job as child
-  processes (``python -m launch.rank``) and supervises them: ``--gpus N`` one CUDA GPU
+  processes (``python -m bnsgcn.launch.rank``) and supervises them: ``--gpus N`` one CUDA GPU
   each (NCCL), ``--procs N`` on CPU (gloo), neither: one CPU rank per partition of the
   set. ``--nnodes``/``--node-rank`` run the same command once per machine.
 
@@ -33,8 +33,6 @@ from .rank import LAUNCHER_PID_VARIABLE, exit_rank, report_errors, train, traini
 from .supervisor import Child, supervise
 
 PROG = "bnsgcn-train"
-# Where `python -m launch.rank` finds this very package, whatever the children's cwd.
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,10 +142,9 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
 
     threads = config.threads or threads_per_rank(local)
     child_argv = [
-        sys.executable, "-m", "launch.rank", *training_argv(argv),
+        sys.executable, "-m", "bnsgcn.launch.rank", *training_argv(argv),
         "--parts-dir", str(partition_set.path.resolve()), "--device", device, "--threads", str(threads),
     ]
-    python_path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     # Large tensors in transparent huge pages: the kernels gather random feature rows, and
     # with 4 KiB pages nearly every row misses the TLB (see docs/benchmarks.md). A value
     # the user exported wins.
@@ -159,7 +156,6 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
         "LOCAL_WORLD_SIZE": str(local),
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",  # forward output as it happens
-        "PYTHONPATH": python_path,
         LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
     }
     first = args.node_rank * local
@@ -217,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The ``bnsgcn-train`` command: :func:`main`, then :func:`~launch.rank.exit_rank`, as
+    """The ``bnsgcn-train`` command: :func:`main`, then :func:`~bnsgcn.launch.rank.exit_rank`, as
     this process may have been a rank (under torchrun or srun)."""
     exit_rank(main())
 

@@ -1,6 +1,6 @@
-"""One rank of a training job: ``python -m launch.rank <training flags>``.
+"""One rank of a training job: ``python -m bnsgcn.launch.rank <training flags>``.
 
-The local supervisor (:mod:`launch.supervisor`) starts one of these per local rank with
+The local supervisor (:mod:`bnsgcn.launch.supervisor`) starts one of these per local rank with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set;
 :func:`bnsgcn.train.run` reads them. :func:`report_errors` is the error handling shared
 by every rank, here and in ``bnsgcn-train`` under torchrun/SLURM:
@@ -33,7 +33,7 @@ from bnsgcn.errors import UserError
 
 # Exit status of a rank whose collective failed because of another rank (see lost_peers).
 LOST_PEERS_STATUS = 4
-# Set by the local supervisor (launch.cli): the pid of the launcher that started this rank.
+# Set by the local supervisor (bnsgcn.launch.cli): the pid of the launcher that started this rank.
 LAUNCHER_PID_VARIABLE = "BNSGCN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -136,7 +136,7 @@ def exit_rank(status: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     die_with_launcher()
-    args = training_parser("python -m launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
+    args = training_parser("python -m bnsgcn.launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
     exit_rank(report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug))
 
 

@@ -8,7 +8,7 @@ line ``error: rank R failed (...): <its last error line>`` is printed. SIGINT/SI
 this process stop all children the same way. No child outlives :func:`supervise`.
 
 The rank named is the cause, not a victim: a rank whose collective failed because of
-another rank exits with :data:`~launch.rank.LOST_PEERS_STATUS`; when such a rank exits
+another rank exits with :data:`~bnsgcn.launch.rank.LOST_PEERS_STATUS`; when such a rank exits
 first, the others get ``settle_s`` seconds to exit on their own, and a rank that failed
 for another reason in that time is named instead.
 """

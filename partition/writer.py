@@ -13,7 +13,7 @@ For an assignment ``a`` (``a[v]`` = owner of node ``v``) partition ``k`` holds
   in the order they appear in ``B_q``, so the rows a rank sends line up with the rows its
   peer expects.
 
-The graph itself carries no self-loops (:class:`~partition.graph.Graph`); adding exactly
+The graph itself carries no self-loops (:class:`~bnsgcn.partition.graph.Graph`); adding exactly
 one per node here is the project's one self-loop convention.
 
 Memory is ``O(N + E_k)`` per partition on top of the graph (``E_k``: in-edges of partition
@@ -177,7 +177,7 @@ def write_partition_set(
     """Write the partition set of ``assignment`` (int64 [N], values in ``[0, parts)``).
 
     ``method_info`` is the manifest's ``partitioner`` entry
-    (:func:`partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
+    (:func:`bnsgcn.partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
     and ``inputs`` (:func:`input_entries` of the files the graph was read from) identify
     the dataset for reuse. An existing set made by the same request is reused unless
     ``force``; see :func:`find_reusable`. Returns the manifest.
@@ -290,7 +290,7 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
             del edge_ids
             rows = np.repeat(np.arange(n_inner, dtype=np.int64), lengths)
             if np.any(src == inner[rows]):
-                raise ValueError("the graph has self-loops; build it with partition.graph.canonical_csr")
+                raise ValueError("the graph has self-loops; build it with bnsgcn.partition.graph.canonical_csr")
             owner = assignment[src]
             remote = owner != k
             # Distinct remote sources via a flag array: np.unique (hash-based in numpy >= 2.3)

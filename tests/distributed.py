@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from bnsgcn.config import TrainConfig
-from partition.graph import Graph, canonical_csr
-from partition.partitioner import assign, method_info
-from partition.writer import write_partition_set
+from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.partition.partitioner import assign, method_info
+from bnsgcn.partition.writer import write_partition_set
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

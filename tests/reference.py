@@ -14,7 +14,7 @@ from torch import Tensor
 
 from bnsgcn.config import TrainConfig
 from bnsgcn.model import GNN
-from partition.graph import Graph, canonical_csr
+from bnsgcn.partition.graph import Graph, canonical_csr
 
 
 def dense_adjacency(graph: Graph) -> Tensor:

@@ -111,7 +111,7 @@ def test_training_with_compressed_messages(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--compress", "--compress-grad"])
 def test_unknown_wire_format_is_one_line_error(tmp_path, flag):
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "--parts-dir", str(tmp_path), flag, "int3"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), flag, "int3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"error: unknown wire format {flag} int3; choose from {', '.join(FORMATS)}"]
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from bnsgcn.config import TrainConfig
-from partition.datasets import load_dataset
-from partition.partitioner import assign, method_info
-from partition.writer import write_partition_set
+from bnsgcn.partition.datasets import load_dataset
+from bnsgcn.partition.partitioner import assign, method_info
+from bnsgcn.partition.writer import write_partition_set
 
 from .distributed import SHARED_DATA, run_ranks
 

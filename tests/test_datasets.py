@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bnsgcn.errors import UserError
-from partition.datasets import Progress, load_dataset
-from partition.graph import Graph
+from bnsgcn.partition.datasets import Progress, load_dataset
+from bnsgcn.partition.graph import Graph
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -1,7 +1,7 @@
 """The bad-input catalogue of docs/errors.md, one test per entry, through the real CLIs.
 
 Every entry runs ``bnsgcn-partition`` or ``bnsgcn-train`` as a subprocess (``python -m
-partition.cli`` / ``python -m launch.cli``) and checks what the user sees: exit status 2,
+bnsgcn.partition.cli`` / ``python -m bnsgcn.launch.cli``) and checks what the user sees: exit status 2,
 a last stderr line ``error: ...`` with the entry's key words, no traceback (two entries
 check that ``--debug`` adds it), and that earlier good outputs (a partition set, a run
 directory) keep every file byte for byte (a run's ``log.txt`` may only grow).
@@ -31,9 +31,8 @@ from bnsgcn.shard import load_shard
 
 from .distributed import partition, random_graph
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PARTITION = [sys.executable, "-m", "partition.cli"]
-TRAIN = [sys.executable, "-m", "launch.cli"]
+PARTITION = [sys.executable, "-m", "bnsgcn.partition.cli"]
+TRAIN = [sys.executable, "-m", "bnsgcn.launch.cli"]
 # Tiny model, few epochs: every run here is about the checks around training.
 SMALL_RUN = ["--layers", "2", "--hidden", "8", "--epochs", "2", "--eval-every", "1", "--threads", "1", "--timeout", "60"]
 NUM_CLASSES = 3
@@ -58,7 +57,6 @@ class Outcome:
 
 def run_cli(command: list[str], args: list[str], cwd: Path) -> Outcome:
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     done = subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     return Outcome(done.returncode, done.stdout, done.stderr)
 

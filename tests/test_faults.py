@@ -32,7 +32,7 @@ from bnsgcn.errors import UserError
 from bnsgcn.log import MetricsWriter
 
 from .distributed import free_port, partition, random_graph
-from .test_errors import RANK_VARIABLES, REPO_ROOT, TRAIN, assert_kept, run_cli, snapshot
+from .test_errors import RANK_VARIABLES, TRAIN, assert_kept, run_cli, snapshot
 
 EPOCHS = 12
 CHECKPOINT_EVERY = 2
@@ -51,7 +51,6 @@ FINISH_S = 300  # for a short job to run to its end
 
 def job_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -313,10 +312,10 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, parts, refe
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--max-restarts", "1", "--monitor-interval", "0.5",
     ]
-    job = start([*torchrun, "-m", "launch.cli", *train_args(parts, run_dir)], tmp_path, "elastic")
+    job = start([*torchrun, "-m", "bnsgcn.launch.cli", *train_args(parts, run_dir)], tmp_path, "elastic")
     try:
         wait_for(running_after_checkpoint(run_dir), job, START_S, "checkpoint and the epoch after it")
-        workers = [p for p in descendants(job.pid) if "launch.cli" in p.cmdline()]
+        workers = [p for p in descendants(job.pid) if "bnsgcn.launch.cli" in p.cmdline()]
         rank_process(workers, 1).kill()
         job.wait(FINISH_S)
     finally:

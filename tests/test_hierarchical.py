@@ -35,7 +35,7 @@ def _records(run_dir: Path) -> list[dict]:
 def _two_nodes(parts: Path, out: Path, p: float, exchange: str) -> list[dict]:
     """The job as two machines of two ranks each: two launcher invocations on 127.0.0.1."""
     port = str(free_port())
-    command = [sys.executable, "-m", "launch.cli", "--parts-dir", str(parts), *FLAGS, "--p", str(p), "--exchange", exchange, "--out", str(out)]
+    command = [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts), *FLAGS, "--p", str(p), "--exchange", exchange, "--out", str(out)]
     nodes = [
         subprocess.Popen([*command, "--procs", "2", "--nnodes", "2", "--node-rank", str(i), "--master-port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)
@@ -135,7 +135,7 @@ def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
 
 
 def test_unknown_exchange_is_one_line_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "--parts-dir", str(tmp_path), "--exchange", "tree"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), "--exchange", "tree"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: unknown exchange 'tree'; choose --exchange from direct, hierarchical, auto"]
 
@@ -153,9 +153,9 @@ def test_empty_sends_and_a_partition_without_boundary(tmp_path):
     """Partition 3 is a component of its own (no boundary node, nobody needs its rows) and
     p = 0.05 leaves many pairs of ranks with nothing to send: every exchange mode and wire
     format runs through zero-sized splits, and node-aware exchange still equals direct."""
-    from partition.graph import Graph, canonical_csr
-    from partition.partitioner import method_info
-    from partition.writer import write_partition_set
+    from bnsgcn.partition.graph import Graph, canonical_csr
+    from bnsgcn.partition.partitioner import method_info
+    from bnsgcn.partition.writer import write_partition_set
 
     main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
     n = main.num_nodes + island.num_nodes

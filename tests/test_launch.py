@@ -21,21 +21,20 @@ import pytest
 
 from bnsgcn.errors import UserError
 from bnsgcn.format import write_manifest
-from launch import cli
-from launch.discover import PartitionSet, check_world_size, choose_partition_set, find_partition_sets
-from launch.environment import (
+from bnsgcn.launch import cli
+from bnsgcn.launch.discover import PartitionSet, check_world_size, choose_partition_set, find_partition_sets
+from bnsgcn.launch.environment import (
     RankEnvironment,
     detect_rank_environment,
     expand_slurm_nodelist,
     first_slurm_host,
     threads_per_rank,
 )
-from launch.network import free_port, port_in_use
-from launch.rank import report_errors, training_parser
-from launch.supervisor import Child, supervise
+from bnsgcn.launch.network import free_port, port_in_use
+from bnsgcn.launch.rank import report_errors, training_parser
+from bnsgcn.launch.supervisor import Child, supervise
 
 PY = sys.executable
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PRINT_PID = "import os; print('pid', os.getpid(), flush=True)"
 SLEEP = PRINT_PID + "; import time; time.sleep(60)"
 # Variables that would switch bnsgcn-train into one-rank mode, or that it exports.
@@ -143,11 +142,10 @@ def test_grandchild_of_a_successful_rank_is_not_left_behind():
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_launcher_stops_every_rank(signum):
     script = (
-        "import sys\nfrom launch.supervisor import Child, supervise\n"
+        "import sys\nfrom bnsgcn.launch.supervisor import Child, supervise\n"
         f"sys.exit(supervise([Child(r, [sys.executable, '-c', {SLEEP!r}]) for r in range(2)]))\n"
     )
-    env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
-    launcher = subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(30, launcher.kill)  # a hung test must not hang the suite
     watchdog.start()
     try:
@@ -163,8 +161,8 @@ def test_signal_to_the_launcher_stops_every_rank(signum):
 
 
 def test_rank_entry_reports_user_errors_through_the_supervisor():
-    env = os.environ | {"RANK": "0", "PYTHONPATH": str(REPO_ROOT)}
-    status, _, err, _ = run_supervised([Child(0, [PY, "-m", "launch.rank", "--p", "2"], env)])
+    env = os.environ | {"RANK": "0"}
+    status, _, err, _ = run_supervised([Child(0, [PY, "-m", "bnsgcn.launch.rank", "--p", "2"], env)])
     assert status == 2
     assert err.splitlines()[-1].startswith("error: rank 0 failed (exit code 2): error: [rank 0] --p 2.0 is outside [0, 1]")
 
@@ -388,7 +386,7 @@ def test_second_node_children(tmp_path, monkeypatch, clean_environment):
             "RANK": str(2 + local), "LOCAL_RANK": str(local), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "OMP_NUM_THREADS": "3",
         }
-        assert child.argv[:3] == [PY, "-m", "launch.rank"]
+        assert child.argv[:3] == [PY, "-m", "bnsgcn.launch.rank"]
         config = training_parser("rank").parse_args(child.argv[3:])
         assert (config.epochs, config.threads, config.device, config.parts_dir) == (7, 3, "cpu", (tmp_path / "parts" / "four").resolve())
 

@@ -20,7 +20,7 @@ def _losses(run_dir) -> list:
 
 def test_two_nodes_match_one_four_rank_run(tmp_path):
     parts = partition(random_graph(num_nodes=160, avg_degree=6, seed=9), 4, tmp_path / "parts")
-    train = [sys.executable, "-m", "launch.cli", "--parts-dir", str(parts), *FLAGS]
+    train = [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts), *FLAGS]
     single = subprocess.run([*train, "--procs", "4", "--out", str(tmp_path / "single")], capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
 

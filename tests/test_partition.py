@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import partition.partitioner as partitioner_module
-import partition.writer as writer_module
+import bnsgcn.partition.partitioner as partitioner_module
+import bnsgcn.partition.writer as writer_module
 from bnsgcn.errors import UserError
 from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest, write_manifest
-from partition.graph import Graph, canonical_csr
-from partition.partitioner import assign, method_info, random_assignment, read_assignment
-from partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
+from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.partition.partitioner import assign, method_info, random_assignment, read_assignment
+from bnsgcn.partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
 
 
 def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False) -> Graph:

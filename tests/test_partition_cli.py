@@ -1,6 +1,6 @@
 """``bnsgcn-partition`` end to end (success, reuse, --force, bad input) and its progress display.
 
-Runs ``partition.cli.main`` in-process (and once as a subprocess) on the real Cora data
+Runs ``bnsgcn.partition.cli.main`` in-process (and once as a subprocess) on the real Cora data
 in ``../shared/data`` and on small synthetic graphs. Every failure must exit with status 2,
 print one ``error:`` line naming the problem and the fix, and leave no output behind.
 """
@@ -22,7 +22,7 @@ import pytest
 from bnsgcn.errors import UserError
 from bnsgcn.format import load_partition, read_manifest
 from bnsgcn.progress import Progress, step
-from partition.cli import default_out_dir, main
+from bnsgcn.partition.cli import default_out_dir, main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -161,7 +161,7 @@ def test_dataset_errors_come_before_any_progress_line(tmp_path, capsys, args, ex
 
 def write_small_npz(path: Path, seed: int = 0) -> Path:
     """A 200-node graph in the npz layout of docs/datasets.md."""
-    from partition.datasets import load_dataset
+    from bnsgcn.partition.datasets import load_dataset
 
     graph = load_dataset(f"synthetic:nodes=200,degree=4,features=3,seed={seed}", None, progress=False)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,14 +195,13 @@ def test_reuse_checks_the_input_files(tmp_path, capsys):
 
 
 def run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True, timeout=240)
 
 
 # bnsgcn-partition that sends itself SIGTERM in the middle of writing partition 0.
 TERMINATE_WHILE_WRITING = """
 import os, signal, sys
-import partition.writer as writer
+import bnsgcn.partition.writer as writer
 real_write_array, written = writer.write_array, []
 def write_array(part_dir, name, array):
     written.append(name)
@@ -210,7 +209,7 @@ def write_array(part_dir, name, array):
         os.kill(os.getpid(), signal.SIGTERM)
     return real_write_array(part_dir, name, array)
 writer.write_array = write_array
-from partition.cli import main
+from bnsgcn.partition.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -228,7 +227,7 @@ def test_sigterm_while_writing_cleans_up(tmp_path):
 # sends itself SIGTERM once it does.
 TERMINATE_DURING_METIS = """
 import os, signal, sys, threading, time
-import partition.partitioner as partitioner
+import bnsgcn.partition.partitioner as partitioner
 kway, *rest = partitioner._metis_kway()
 read_end, write_end = os.pipe()
 def sleeping_kway(*args):
@@ -242,7 +241,7 @@ def terminate_once_metis_runs():
     print(f"METIS pid, SIGTERM blocked: {metis}; main pid {os.getpid()}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=terminate_once_metis_runs, daemon=True).start()
-from partition.cli import main
+from bnsgcn.partition.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -279,8 +278,8 @@ def test_debug_shows_the_exception(tmp_path):
 def test_subprocess_error_is_one_line(tmp_path):
     out = tmp_path / "set"
     result = subprocess.run(
-        [sys.executable, "-m", "partition.cli", "--parts", "0", CORA_NPZ, "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        [sys.executable, "-m", "bnsgcn.partition.cli", "--parts", "0", CORA_NPZ, "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -292,8 +291,8 @@ def test_subprocess_error_is_one_line(tmp_path):
 def test_subprocess_success(tmp_path):
     out = tmp_path / "set"
     result = subprocess.run(
-        [sys.executable, "-m", "partition.cli", CORA_NPZ, "--parts", "2", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120,
+        [sys.executable, "-m", "bnsgcn.partition.cli", CORA_NPZ, "--parts", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert f"partition set written to {out}" in result.stdout
@@ -393,7 +392,7 @@ def test_step_shorter_than_the_heartbeat_shows_none():
 
 
 def test_synthetic_dataset_end_to_end(tmp_path, capsys):
-    from partition.datasets import load_dataset
+    from bnsgcn.partition.datasets import load_dataset
     from tests.test_partition import check_partition_set
 
     spec = "synthetic:nodes=600,degree=8,features=4,classes=3,seed=2"

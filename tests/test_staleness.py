@@ -292,7 +292,7 @@ def test_staleness_composes_with_every_wire_format(graph, parts, tmp_path):
     ids=["staleness-2", "smoothing-above-1", "smoothing-0", "smoothing-without-staleness"],
 )
 def test_bad_staleness_flags_are_one_line_errors(tmp_path, flags, line):
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "--parts-dir", str(tmp_path), *flags], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [line]
     assert not any(tmp_path.iterdir())  # nothing written

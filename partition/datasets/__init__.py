@@ -1,4 +1,4 @@
-"""Dataset loaders: every supported dataset becomes one canonical :class:`~partition.graph.Graph`.
+"""Dataset loaders: every supported dataset becomes one canonical :class:`~bnsgcn.partition.graph.Graph`.
 
 ``load_dataset(spec, data_dir)`` is the entry point the rest of the project uses; it is
 ``resolve_dataset(spec, data_dir).load()``. Resolving finds every file the load will
@@ -24,7 +24,7 @@ import numpy as np
 
 from bnsgcn.errors import UserError
 from bnsgcn.progress import step
-from partition.graph import Graph, canonical_csr
+from bnsgcn.partition.graph import Graph, canonical_csr
 
 DEFAULT_DATA_DIR = Path("data")
 PLANETOID_NAMES = ("cora", "citeseer", "pubmed")

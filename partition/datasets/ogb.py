@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from bnsgcn.errors import UserError
-from partition.graph import Graph
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir, read_split_masks
 from .planetoid import ALLOWED_GLOBALS, restricted_unpickle

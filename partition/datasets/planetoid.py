@@ -30,7 +30,7 @@ from typing import BinaryIO
 import numpy as np
 
 from bnsgcn.errors import UserError
-from partition.graph import Graph
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import csr_row_ids, dense_from_sparse

@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from bnsgcn.errors import UserError
-from partition.graph import Graph
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import NpzArrays, read_sparse

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bnsgcn.errors import UserError
-from partition.graph import Graph
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, check_features, find_dataset_dir, read_split_masks
 from .npz import NpzArrays, read_sparse

@@ -33,7 +33,7 @@ from functools import partial
 import numpy as np
 
 from bnsgcn.errors import UserError
-from partition.graph import Graph
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, random_split_masks
 

@@ -1,0 +1,99 @@
+"""The package layout: one import namespace, and data flowing one way.
+
+The repository keeps the design's folders (``bnsgcn/`` the engine, ``partition/`` the
+offline step, ``launch/`` the launcher), installed as ``bnsgcn``, ``bnsgcn.partition`` and
+``bnsgcn.launch``. The engine never imports the other two.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "bnsgcn"
+FORBIDDEN = ("partition", "launch")
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, relative ones resolved
+    against the module's place in the ``bnsgcn`` package."""
+    package = ["bnsgcn", *path.relative_to(ENGINE).parent.parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((node.lineno, module))
+            # `from . import partition` names the subpackage in the alias
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _engine_imports_of_other_steps(root: Path) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for line, module in _imported_modules(path):
+            parts = module.split(".")
+            if parts[0] in FORBIDDEN or (parts[0] == "bnsgcn" and len(parts) > 1 and parts[1] in FORBIDDEN):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    return bad
+
+
+def test_engine_imports_neither_the_partition_step_nor_the_launcher():
+    assert _engine_imports_of_other_steps(ENGINE) == []
+
+
+@pytest.mark.parametrize("module, line", [
+    ("train.py", "from bnsgcn.partition.graph import Graph"),
+    ("train.py", "import bnsgcn.launch.cli"),
+    ("train.py", "from .launch import rank"),
+    ("train.py", "from . import partition"),
+    ("kernels/spmm.py", "from ..partition import writer"),
+    ("kernels/spmm.py", "import partition.writer"),
+])
+def test_the_import_check_catches_each_form(tmp_path, monkeypatch, module, line):
+    # the check itself must be able to fail: a fake engine module with one bad import
+    engine = tmp_path / "bnsgcn"
+    (engine / "kernels").mkdir(parents=True)
+    (engine / module).write_text("import torch\n" + line + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", engine)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (found, *_) = _engine_imports_of_other_steps(engine)
+    assert found.startswith(f"bnsgcn/{module}:2 imports ")
+
+
+def test_no_generic_top_level_names_outside_the_repository(tmp_path):
+    # Run from elsewhere so that the repository root is not on sys.path: what resolves
+    # is what the installation provides.
+    code = (
+        "import importlib.util as u, bnsgcn.partition.cli, bnsgcn.launch.rank;"
+        "print(u.find_spec('partition'), u.find_spec('launch'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "None"]
+
+
+def test_the_wheel_installs_only_the_bnsgcn_name(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("bnsgcn-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"bnsgcn"}
+    for module in ("bnsgcn/partition/cli.py", "bnsgcn/partition/datasets/reddit.py", "bnsgcn/launch/rank.py", "bnsgcn/kernels/spmm.py"):
+        assert module in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "bnsgcn.partition.cli:main" in text and "bnsgcn.launch.cli:entry" in text
