@@ -1,12 +1,13 @@
 """``bnsgcn-partition``: load a dataset, partition it, write a partition set.
 
     bnsgcn-partition [--parts K] DATASET [--data-dir DIR] [--out DIR]
-                     [--method metis|random] [--objective cut|vol] [--assignment FILE]
-                     [--seed N] [--force] [--debug]
+                     [--method metis|random|coarse|auto] [--objective cut|vol] [--assignment FILE]
+                     [--memory-limit SIZE] [--seed N] [--force] [--debug]
 
 Bad input ends with ``error: <message>`` on one line of stderr and exit status 2, and
 leaves no output directory behind; so does an interruption (Ctrl-C: status 130, SIGTERM:
-status 143). Progress goes to stderr; the location of the set and its partition report go
+status 143) and running out of memory (the line names the phase and the memory it
+needs). Progress goes to stderr; the location of the set and its partition report go
 to stdout.
 """
 
@@ -17,14 +18,18 @@ import hashlib
 import re
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bnsgcn.errors import UserError
 from bnsgcn.progress import step
 
 from . import Terminated
-from .partitioner import METHODS, OBJECTIVES, assign, method_info, validate_parts
-from .writer import find_reusable, format_report, input_entries, probe_writable, remove_stale_temporaries, write_partition_set
+from .coarse import coarse_bytes, format_bytes, metis_bytes
+from .partitioner import METHODS, OBJECTIVES, assign, available_memory, method_info, resolve_method, validate_parts
+from .writer import (find_reusable, format_report, input_entries, probe_writable, remove_stale_temporaries,
+                     write_partition_set, writer_bytes)
 
 DEFAULT_PARTS = 2
 DEFAULT_DATASET = "synthetic"
@@ -42,7 +47,7 @@ def default_out_dir(spec: str, parts: int) -> Path:
     kind, _, argument = spec.partition(":")
     pieces = [kind]
     if argument:
-        if kind in ("npz", "saint"):
+        if kind in ("npz", "saint", "csr"):
             pieces.append(Path(argument).stem)
         pieces.append(hashlib.sha256(argument.encode()).hexdigest()[:8])
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(pieces)).strip("-.") or "dataset"
@@ -56,20 +61,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("dataset", nargs="?", default=DEFAULT_DATASET,
                         help="reddit, ogbn-products, ogbn-arxiv, ogbn-papers100M, yelp, saint:<dir>, cora, citeseer, "
-                             "pubmed, npz:<path> or synthetic[:key=value,...] (default: synthetic)")
+                             "pubmed, npz:<path>, csr:<dir> (memory-mapped) or synthetic[:key=value,...] (default: synthetic)")
     parser.add_argument("--parts", type=int, default=DEFAULT_PARTS,
                         help=f"number of partitions = training ranks (default {DEFAULT_PARTS})")
     parser.add_argument("--data-dir", type=Path, help="directory holding the dataset files (default ./data)")
     parser.add_argument("--out", type=Path, help="output directory (default parts/<dataset>-<K>)")
-    parser.add_argument("--method", choices=METHODS, default="metis", help="partitioner (default metis)")
+    parser.add_argument("--method", choices=METHODS, default="metis",
+                        help="partitioner: metis, random, coarse (METIS on a coarsened graph, for graphs METIS cannot hold) "
+                             "or auto (metis when its estimated memory fits, else coarse); default metis")
     parser.add_argument("--objective", choices=OBJECTIVES, default="cut",
                         help="METIS objective: edge cut or communication volume (default cut)")
     parser.add_argument("--assignment", type=Path,
                         help="use this assignment instead (.npy or text, one part id per node), e.g. from ParMETIS")
+    parser.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
+                        help="memory the step may use, e.g. 8G or 500M (default: what the system reports available); "
+                             "decides --method auto and bounds coarse")
     parser.add_argument("--seed", type=int, default=0, help="seed of METIS / random partitioning (default 0)")
     parser.add_argument("--force", action="store_true", help="replace an existing partition set at --out")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
+
+
+SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+RANDOM_BYTES_PER_NODE = 32  # the shuffled order and the assignment, int64 each, with temporaries
+
+
+def parse_size(text: str) -> int:
+    """``8G``, ``500M``, ``1.5GiB``, ``1024`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 8G, 500M or a number of bytes")
+    return int(float(match[1]) * SIZE_UNITS[match[2].upper()])
+
+
+@contextmanager
+def phase(desc: str, need: int | None, memory_limit: int | None) -> Iterator[None]:
+    """Run one phase as a progress :func:`step`; running out of memory in it becomes one
+    :class:`UserError` naming the phase, the allocation that failed and ``need`` (bytes, estimated)."""
+    try:
+        with step(desc):
+            yield
+    except MemoryError as exc:
+        failed = getattr(exc, "_total_size", None)  # numpy's _ArrayMemoryError knows the request
+        what = f"allocating {format_bytes(failed)} failed" if failed else "an allocation failed"
+        needs = f"it needs about {format_bytes(need)}, " if need is not None else ""
+        raise UserError(
+            f"out of memory while {desc} ({what}; {needs}{format_bytes(available_memory(memory_limit))} available); "
+            "free memory, use a larger machine, or pass more --parts or --method coarse"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,15 +130,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
               "pass --force to rewrite it")
     else:
-        with step(f"loading {args.dataset}"):
+        limit = args.memory_limit
+        with phase(f"loading {args.dataset}", None, limit):
             graph = source.load(progress=True)
         validate_parts(args.parts, graph.num_nodes)
-        method = "assignment file" if args.assignment is not None else args.method
-        with step(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})"):
-            assignment = assign(graph, args.parts, args.method, args.objective, args.seed, args.assignment)
+        if args.assignment is not None:
+            method, need = "assignment file", None
+        else:
+            method = resolve_method(args.method, graph.num_nodes, graph.num_edges, limit)
+            need = {"metis": metis_bytes(graph.num_nodes, graph.num_edges), "coarse": coarse_bytes(graph.num_nodes),
+                    "random": RANDOM_BYTES_PER_NODE * graph.num_nodes}[method]
+            if args.method == "auto":
+                partitioner = {**partitioner, "resolved": method}
+                print(f"--method auto: {method} (METIS needs about {format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
+                      f"{format_bytes(available_memory(limit))} available)", file=sys.stderr)
+            elif method == "metis" and need > available_memory(limit):
+                print(f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are available; "
+                      "it may be killed, --method coarse fits in less", file=sys.stderr)
+        with phase(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})", need, limit):
+            assignment = assign(graph, args.parts, method, args.objective, args.seed, args.assignment,
+                                memory_limit=limit, progress=True)
         try:
-            manifest = write_partition_set(graph, assignment, out_dir, parts=args.parts, method_info=partitioner,
-                                           dataset_spec=args.dataset, inputs=inputs, force=args.force)
+            with phase("writing partitions", writer_bytes(graph, assignment, args.parts), limit):
+                manifest = write_partition_set(graph, assignment, out_dir, parts=args.parts, method_info=partitioner,
+                                               dataset_spec=args.dataset, inputs=inputs, force=args.force)
         except OSError as exc:
             raise _unwritable(out_dir, exc) from exc
         print(f"partition set written to {out_dir}")

@@ -11,6 +11,11 @@ node ``v`` is an *inner* node of partition ``k`` (``0 <= k < K``).
   only the first ``N`` weights, so the METIS routine of the library pymetis ships is called
   directly through :mod:`ctypes` with ``ncon=2``, in a forked child process (see
   :func:`_run_in_child`).
+* ``coarse``: METIS on a graph coarsened by size-constrained label propagation, projected
+  back and refined (:mod:`bnsgcn.partition.coarse`), for graphs whose CSR METIS cannot
+  hold; it only reads the CSR, which may be memory-mapped.
+* ``auto``: ``metis`` when METIS' estimated peak (:func:`~bnsgcn.partition.coarse.metis_bytes`)
+  fits the memory available (psutil's, or ``memory_limit``), else ``coarse``.
 * ``random``: a seeded, stratified round-robin: training nodes in random order, then the
   others in random order, dealt to partitions ``0, 1, ..., K-1, 0, ...``. Partition sizes and
   training-node counts each differ by at most one.
@@ -31,16 +36,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from bnsgcn.errors import UserError
 from bnsgcn.format import sha256_file
 
+from .coarse import coarse_assignment, format_bytes, metis_bytes, vertex_weights
 from .graph import Graph
 
-METHODS = ("metis", "random")
+METHODS = ("metis", "random", "coarse", "auto")
+METIS_METHODS = ("metis", "coarse", "auto")  # methods that take --objective
 OBJECTIVES = ("cut", "vol")
 # What each method keeps balanced across partitions (recorded in the manifest).
-BALANCE = {"metis": ["inner_nodes", "train_nodes"], "random": ["inner_nodes", "train_nodes"], "file": []}
+BOTH = ["inner_nodes", "train_nodes"]
+BALANCE = {"metis": BOTH, "random": BOTH, "coarse": BOTH, "auto": BOTH, "file": []}
 
 _METIS_OK = 1
 _METIS_ERROR_MEMORY = -3
@@ -85,11 +94,23 @@ def method_info(method: str, objective: str, seed: int, assignment_file: Path | 
         raise UserError(f"unknown METIS objective {objective!r}; choose --objective from {', '.join(OBJECTIVES)}")
     return {
         "method": method,
-        "objective": objective if method == "metis" else None,
+        "objective": objective if method in METIS_METHODS else None,
         "seed": int(seed),
         "balance": BALANCE[method],
         "assignment_file": None,
     }
+
+
+def available_memory(memory_limit: int | None = None) -> int:
+    """Bytes the partition step may use: ``memory_limit`` if given, else what psutil reports available."""
+    return int(memory_limit) if memory_limit is not None else int(psutil.virtual_memory().available)
+
+
+def resolve_method(method: str, num_nodes: int, num_edges: int, memory_limit: int | None = None) -> str:
+    """``auto`` -> ``metis`` when METIS' estimated peak fits :func:`available_memory`, else ``coarse``; others unchanged."""
+    if method != "auto":
+        return method
+    return "metis" if metis_bytes(num_nodes, num_edges) <= available_memory(memory_limit) else "coarse"
 
 
 def assign(
@@ -99,12 +120,17 @@ def assign(
     objective: str = "cut",
     seed: int = 0,
     assignment_file: Path | None = None,
+    *,
+    memory_limit: int | None = None,
+    progress: bool = False,
 ) -> np.ndarray:
     """Partition ``graph`` into ``parts`` parts; return ``assignment`` int64 [N].
 
     ``assignment_file`` overrides ``method``. ``parts == 1`` puts every node in partition 0
-    without running METIS. Raises :class:`UserError` for ``parts`` outside ``[1, N]``,
-    unknown methods and unusable assignment files.
+    without running METIS. ``memory_limit`` (bytes, default: available memory) decides
+    ``auto`` and bounds ``coarse``; ``progress`` shows the steps of ``coarse``. Raises
+    :class:`UserError` for ``parts`` outside ``[1, N]``, unknown methods and unusable
+    assignment files.
     """
     num_nodes = graph.num_nodes
     validate_parts(parts, num_nodes)
@@ -113,8 +139,12 @@ def assign(
     method_info(method, objective, seed)  # validates method and objective
     if parts == 1:
         return np.zeros(num_nodes, dtype=np.int64)
+    method = resolve_method(method, num_nodes, graph.num_edges, memory_limit)
     if method == "random":
         return random_assignment(graph.train_mask, parts, seed)
+    if method == "coarse":
+        return coarse_assignment(graph, parts, objective, seed, metis_parts,
+                                 memory_budget=available_memory(memory_limit), progress=progress)
     return metis_assignment(graph, parts, objective, seed)
 
 
@@ -161,20 +191,24 @@ def _metis_kway():
 
 
 def metis_assignment(graph: Graph, parts: int, objective: str, seed: int) -> np.ndarray:
-    """METIS k-way with vertex weights ``[1, is_train]`` (``ncon = 2``).
+    """METIS k-way on ``graph`` with vertex weights ``[1, is_train]`` (``ncon = 2``; see
+    :func:`~bnsgcn.partition.coarse.vertex_weights` for a graph without training nodes)."""
+    vwgt, ncon = vertex_weights(graph.num_nodes, np.zeros(0, dtype=np.int64), graph.train_mask)
+    return metis_parts(graph.indptr, graph.indices, vwgt, ncon, None, parts, objective, seed)
 
-    With no training nodes the second constraint would have zero total weight, which
-    METIS rejects, so only node counts are balanced then.
-    """
+
+def metis_parts(xadj: np.ndarray, adjncy: np.ndarray, vwgt: np.ndarray, ncon: int, adjwgt: np.ndarray | None,
+                parts: int, objective: str, seed: int) -> np.ndarray:
+    """``METIS_PartGraphKway`` on the CSR ``xadj``/``adjncy`` with ``ncon`` vertex weights per node
+    (``vwgt`` [N * ncon], interleaved) and optional edge weights; return the part of each node, int64 [N]."""
     kway, defaults, idx_dtype, idx_ctype, option = _metis_kway()
-    num_nodes = graph.num_nodes
-    xadj = np.ascontiguousarray(graph.indptr, dtype=idx_dtype)
-    adjncy = np.ascontiguousarray(graph.indices, dtype=idx_dtype)
-    train = np.asarray(graph.train_mask, dtype=idx_dtype)
-    ncon = 2 if train.any() else 1
-    vwgt = np.ones((num_nodes, ncon), dtype=idx_dtype)
-    if ncon == 2:
-        vwgt[:, 1] = train
+    num_nodes = int(xadj.shape[0] - 1)
+    num_edges = int(adjncy.shape[0])
+    xadj = np.ascontiguousarray(xadj, dtype=idx_dtype)
+    adjncy = np.ascontiguousarray(adjncy, dtype=idx_dtype)
+    vwgt = np.ascontiguousarray(vwgt, dtype=idx_dtype)
+    if adjwgt is not None:
+        adjwgt = np.ascontiguousarray(adjwgt, dtype=idx_dtype)
     options = np.zeros(_METIS_NOPTIONS, dtype=idx_dtype)
     defaults(options)
     options[option.SEED] = seed
@@ -183,18 +217,22 @@ def metis_assignment(graph: Graph, parts: int, objective: str, seed: int) -> np.
     shared = mmap.mmap(-1, max(1, num_nodes * idx_dtype.itemsize))
     part = np.frombuffer(shared, dtype=idx_dtype, count=num_nodes)
     objval = idx_ctype(0)
+    edge_weights = None if adjwgt is None else adjwgt.ctypes.data_as(ctypes.c_void_p)
     status, killed_by = _run_in_child(lambda: kway(
         ctypes.byref(idx_ctype(num_nodes)), ctypes.byref(idx_ctype(ncon)), xadj, adjncy,
-        vwgt.reshape(-1), None, None, ctypes.byref(idx_ctype(parts)), None, None,
+        vwgt, None, edge_weights, ctypes.byref(idx_ctype(parts)), None, None,
         options, ctypes.byref(objval), part,
     ))
+    need = f"about {format_bytes(metis_bytes(num_nodes, num_edges))} for {num_nodes:,} nodes and {num_edges:,} edges"
     if killed_by == signal.SIGKILL:
-        raise UserError("METIS was killed (SIGKILL), most likely by the kernel for lack of memory; "
-                        "free memory, use a larger machine or pass --method random")
+        raise UserError(f"METIS was killed (SIGKILL), most likely by the kernel for lack of memory (it needs {need}, "
+                        f"{format_bytes(available_memory())} are available); free memory, use a larger machine "
+                        "or pass --method coarse or --method random")
     if killed_by is not None:
         raise RuntimeError(f"METIS_PartGraphKway crashed ({signal.Signals(killed_by).name})")
     if status == _METIS_ERROR_MEMORY:
-        raise UserError("METIS ran out of memory; free memory, use a larger machine or pass --method random")
+        raise UserError(f"METIS ran out of memory (it needs {need}); free memory, use a larger machine "
+                        "or pass --method coarse or --method random")
     if status != _METIS_OK:
         raise RuntimeError(f"METIS_PartGraphKway failed with status {status}")
     return part.astype(np.int64)

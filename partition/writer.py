@@ -16,8 +16,11 @@ For an assignment ``a`` (``a[v]`` = owner of node ``v``) partition ``k`` holds
 The graph itself carries no self-loops (:class:`~bnsgcn.partition.graph.Graph`); adding exactly
 one per node here is the project's one self-loop convention.
 
-Memory is ``O(N + E_k)`` per partition on top of the graph (``E_k``: in-edges of partition
-``k``): no ``N x K`` or ``E x K`` arrays are ever built. Everything is written to a
+Memory is ``O(N + E_k)`` on top of the graph (``E_k``: in-edges of partition ``k``), one
+partition at a time: a few ``N``-sized index arrays shared by all partitions, and per
+partition only its own arrays (``E_k + n_k`` int32 adjacency entries, its features); no
+``N x K`` or ``E x K`` arrays, no copy of the CSR. The graph's CSR is only read, row by
+row (numba), so it may be memory-mapped. Everything is written to a
 temporary sibling directory ``<out>.tmp-<host>-<pid>`` and renamed into place at the end,
 so an interrupted run leaves nothing that looks like a valid set; one killed outright
 leaves its temporary directory, which the next run on the same machine for the same
@@ -33,6 +36,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numba
 import numpy as np
 
 import bnsgcn
@@ -93,7 +97,7 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
         same = (
             manifest["dataset"]["spec"] == spec
             and manifest["parts"] == parts
-            and manifest["partitioner"] == partitioner
+            and _request(manifest["partitioner"]) == _request(partitioner)
         )
         # Sets written before input files were recorded have no "inputs": as if made from none.
         same_inputs = manifest["dataset"].get("inputs", []) == list(inputs)
@@ -117,6 +121,25 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
     if not complete:
         raise UserError(f"{out_dir} holds an incomplete partition set; pass --force to rewrite it")
     return manifest
+
+
+def _request(partitioner: dict) -> dict:
+    """The ``partitioner`` entry without ``resolved`` (what ``--method auto`` chose), for comparing requests."""
+    return {key: value for key, value in partitioner.items() if key != "resolved"}
+
+
+WRITER_BYTES_PER_NODE = 48  # owner order, local index, boundary column, degree, flags, assignment
+
+
+def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
+    """Estimated peak memory of :func:`write_partition_set` beyond the graph: the ``N``-sized
+    arrays plus the largest partition's adjacency (int32 entries, int64 row pointer), features
+    and node data."""
+    sizes = np.bincount(assignment, minlength=parts)
+    in_edges = np.bincount(assignment, weights=graph.in_degree(), minlength=parts)
+    row_bytes = 4 * graph.features.shape[1] + 8 + 8 + 3 + graph.labels.itemsize * (graph.labels.size // max(1, graph.num_nodes))
+    per_part = 4 * (in_edges + sizes) + row_bytes * sizes
+    return int(WRITER_BYTES_PER_NODE * graph.num_nodes + per_part.max())
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:
@@ -255,14 +278,51 @@ def _move_into_place(tmp_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(old)
 
 
-def _gather_rows(indptr: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Edge ids of the CSR rows ``rows`` (concatenated, in row order) and each row's length."""
-    starts = indptr[rows]
-    lengths = indptr[rows + 1] - starts
-    ends = np.cumsum(lengths)
-    edge_ids = np.arange(ends[-1] if ends.size else 0, dtype=np.int64)
-    edge_ids += np.repeat(starts - (ends - lengths), lengths)
-    return edge_ids, lengths
+@numba.njit(cache=True, nogil=True)
+def _mark_boundary(indptr, indices, inner, assignment, k, is_boundary):  # pragma: no cover - numba
+    """Flag the in-neighbours of ``inner`` owned elsewhere in ``is_boundary``; return the cut
+    edges (in-edges from them), or -1 when some node lists itself (a self-loop)."""
+    cut = 0
+    for i in range(inner.shape[0]):
+        v = inner[i]
+        for e in range(indptr[v], indptr[v + 1]):
+            u = indices[e]
+            if u == v:
+                return -1
+            if assignment[u] != k:
+                is_boundary[u] = True
+                cut += 1
+    return cut
+
+
+@numba.njit(cache=True, nogil=True)
+def _local_adjacency(indptr, indices, inner, assignment, k, local_index, boundary_column, adj_indptr, adj_indices):  # pragma: no cover - numba
+    """Fill the local CSR of ``inner``: row ``i`` holds the local columns of node ``inner[i]``'s
+    in-neighbours plus its self-loop ``i``, ascending (inner columns, then boundary ones)."""
+    max_degree = 0
+    for i in range(inner.shape[0]):
+        max_degree = max(max_degree, indptr[inner[i] + 1] - indptr[inner[i]])
+    local = np.empty(max_degree + 1, dtype=np.int64)
+    remote = np.empty(max_degree, dtype=np.int64)
+    pos = 0
+    for i in range(inner.shape[0]):
+        v = inner[i]
+        n_local, n_remote = 1, 0
+        local[0] = i
+        for e in range(indptr[v], indptr[v + 1]):
+            u = indices[e]
+            if assignment[u] == k:
+                local[n_local] = local_index[u]
+                n_local += 1
+            else:
+                remote[n_remote] = boundary_column[u]
+                n_remote += 1
+        # Rows are short: sorting each is cheaper than one sort of the partition's entries.
+        adj_indices[pos:pos + n_local] = np.sort(local[:n_local])
+        pos += n_local
+        adj_indices[pos:pos + n_remote] = np.sort(remote[:n_remote])
+        pos += n_remote
+        adj_indptr[i + 1] = pos
 
 
 def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir: Path, progress: bool) -> list[dict]:
@@ -285,17 +345,11 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
         for k in range(parts):
             inner = by_owner[part_starts[k]:part_starts[k + 1]]
             n_inner = inner.shape[0]
-            edge_ids, lengths = _gather_rows(graph.indptr, inner)
-            src = graph.indices[edge_ids].astype(np.int64)
-            del edge_ids
-            rows = np.repeat(np.arange(n_inner, dtype=np.int64), lengths)
-            if np.any(src == inner[rows]):
+            cut_edges = _mark_boundary(graph.indptr, graph.indices, inner, assignment, k, is_boundary)
+            if cut_edges < 0:
                 raise ValueError("the graph has self-loops; build it with bnsgcn.partition.graph.canonical_csr")
-            owner = assignment[src]
-            remote = owner != k
-            # Distinct remote sources via a flag array: np.unique (hash-based in numpy >= 2.3)
+            # Distinct remote sources via the flag array: np.unique (hash-based in numpy >= 2.3)
             # is many times slower on arrays of this size.
-            is_boundary[src[remote]] = True
             boundary = np.flatnonzero(is_boundary)
             is_boundary[boundary] = False
             boundary = boundary[np.argsort(assignment[boundary], kind="stable")]
@@ -304,16 +358,11 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
             if n_local >= 2**31:
                 raise UserError(f"partition {k} has {n_local} local nodes, over the int32 column limit; pass more --parts")
             boundary_column[boundary] = n_inner + np.arange(boundary.shape[0], dtype=np.int64)
-            columns = np.where(remote, boundary_column[src], local_index[src])
-            cut_edges = int(remote.sum())
-            del src, owner, remote
-            # One key per entry, row-major; the self-loop of row i is column i.
-            keys = np.concatenate([rows * n_local + columns, np.arange(n_inner, dtype=np.int64) * (n_local + 1)])
-            del rows, columns
-            keys.sort()
-            adj_indices = (keys % n_local).astype(np.int32) if n_local else keys.astype(np.int32)
-            del keys
-            adj_indptr = np.concatenate([[0], np.cumsum(lengths + 1)]).astype(np.int64)
+            in_edges = int((graph.indptr[inner + 1] - graph.indptr[inner]).sum())
+            adj_indptr = np.zeros(n_inner + 1, dtype=np.int64)
+            adj_indices = np.empty(in_edges + n_inner, dtype=np.int32)
+            _local_adjacency(graph.indptr, graph.indices, inner, assignment, k, local_index, boundary_column,
+                             adj_indptr, adj_indices)
 
             part_dir = out_dir / part_dir_name(k)
             part_dir.mkdir()
@@ -336,7 +385,7 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
                 "files": files,
                 "n_inner": int(n_inner),
                 "n_boundary": int(boundary.shape[0]),
-                "local_edges": int(lengths.sum()) - cut_edges,
+                "local_edges": in_edges - cut_edges,
                 "cut_edges": cut_edges,
                 "train_nodes": int(arrays["train_mask"].sum()),
             })

@@ -31,7 +31,7 @@ PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
 OGB_NAMES = ("ogbn-products", "ogbn-arxiv", "ogbn-papers100M")
 SAINT_NAMES = ("yelp",)
 DATASET_NAMES = ("reddit", *OGB_NAMES, *SAINT_NAMES, *PLANETOID_NAMES)
-SPEC_FORMS = (*DATASET_NAMES, "saint:<name>", "npz:<path>", "synthetic", "synthetic:<key=value,...>")
+SPEC_FORMS = (*DATASET_NAMES, "saint:<name>", "npz:<path>", "csr:<dir>", "synthetic", "synthetic:<key=value,...>")
 
 
 class Progress:
@@ -216,7 +216,8 @@ def resolve_dataset(spec: str, data_dir: Path | None) -> DatasetSource:
 
     ``spec`` is one of ``reddit``, ``ogbn-products``, ``ogbn-arxiv``, ``ogbn-papers100M``,
     ``yelp``, ``cora``, ``citeseer``, ``pubmed`` (files under ``data_dir``, default
-    ``./data``), ``saint:<name>`` (any GraphSAINT-format directory), ``npz:<path>``, or
+    ``./data``), ``saint:<name>`` (any GraphSAINT-format directory), ``npz:<path>``,
+    ``csr:<dir>`` (a canonical CSR as ``.npy`` files, memory-mapped), or
     ``synthetic[:key=value,...]``. Nothing is ever downloaded. Raises :class:`UserError`
     for an unknown spec or missing files.
     """
@@ -243,6 +244,10 @@ def resolve_dataset(spec: str, data_dir: Path | None) -> DatasetSource:
         from .npz import locate_npz
 
         return locate_npz(Path(argument), data_dir)
+    if kind == "csr" and argument:
+        from .csr import locate_csr
+
+        return locate_csr(Path(argument), data_dir)
     if kind == "synthetic":
         from .synthetic import locate_synthetic
 

@@ -133,8 +133,17 @@ def _draws_for(target: float, expected: Callable[[float], float], config: Synthe
     return int(math.ceil(high))
 
 
-def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
-    """(src, dst) int32 [draws]: the drawn edges, one direction each."""
+EdgeSampler = Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+
+
+def edge_sampler(config: SyntheticConfig, labels: np.ndarray) -> tuple[int, EdgeSampler]:
+    """The number of edge draws of ``config`` and a function drawing ``count`` of them from ``rng``.
+
+    ``sample(rng, count)`` returns (src, dst) int32 [count], one direction each. Drawing
+    in chunks of :data:`CHUNK` from one generator gives the same edges however they are
+    consumed (in memory by :func:`generate_synthetic`, streamed to disk by
+    :func:`bnsgcn.partition.datasets.csr.write_synthetic_csr`).
+    """
     num_nodes = config.nodes
     by_class = np.argsort(labels, kind="stable").astype(np.int32)  # nodes grouped by class
     class_sizes = np.bincount(labels, minlength=config.classes).astype(np.int64)
@@ -146,22 +155,57 @@ def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Gene
     draws_cross = _draws_for((1.0 - config.homophily) * target, lambda k: _expected_cross_class(k, class_sizes, num_nodes), config)
     draws = draws_in + draws_cross
     in_class_probability = draws_in / draws
+
+    def sample(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+        u = rng.integers(0, num_nodes, size=count)
+        cls = labels[u]
+        size, first = class_sizes[cls], class_start[cls]
+        same = rng.random(count) < in_class_probability
+        # In-class: a position inside u's block of by_class. Cross-class: a position in
+        # the other N - n blocks, shifted past u's block.
+        position = rng.integers(0, np.where(same, size, num_nodes - size))
+        position += np.where(same, first, np.where(position >= first, size, 0))
+        return u.astype(np.int32), by_class[position]
+
+    return draws, sample
+
+
+def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) int32 [draws]: the drawn edges, one direction each."""
+    draws, sample = edge_sampler(config, labels)
     src = np.empty(draws, dtype=np.int32)
     dst = np.empty(draws, dtype=np.int32)
     with progress.step(f"drawing {draws:,} edges"):
         for start in range(0, draws, CHUNK):
             count = min(CHUNK, draws - start)
-            u = rng.integers(0, num_nodes, size=count)
-            cls = labels[u]
-            size, first = class_sizes[cls], class_start[cls]
-            same = rng.random(count) < in_class_probability
-            # In-class: a position inside u's block of by_class. Cross-class: a position in
-            # the other N - n blocks, shifted past u's block.
-            position = rng.integers(0, np.where(same, size, num_nodes - size))
-            position += np.where(same, first, np.where(position >= first, size, 0))
-            src[start:start + count] = u
-            dst[start:start + count] = by_class[position]
+            src[start:start + count], dst[start:start + count] = sample(rng, count)
     return src, dst
+
+
+def fill_features(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, features: np.ndarray, progress: Progress) -> None:
+    """Draw the features of ``config`` into ``features`` float32 [N, F] (an array or a memory map), row block by row block."""
+    centroids = rng.standard_normal((config.classes, config.features), dtype=np.float32)
+    with progress.step(f"drawing {config.nodes:,} x {config.features} features"):
+        rows = max(1, CHUNK // config.features)
+        for start in range(0, config.nodes, rows):
+            block = rng.standard_normal((min(rows, config.nodes - start), config.features), dtype=np.float32)
+            block *= np.float32(config.noise)
+            block += centroids[labels[start:start + rows]]
+            features[start:start + rows] = block
+
+
+def random_streams(config: SyntheticConfig) -> tuple[np.random.Generator, ...]:
+    """Independent generators of labels, edges, features and split."""
+    return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(4))
+
+
+def draw_labels(config: SyntheticConfig, rng: np.random.Generator) -> np.ndarray:
+    """Classes in equal shares, in random order, int64 [N]."""
+    return rng.permutation(np.arange(config.nodes, dtype=np.int64) % config.classes)
+
+
+def graph_name(config: SyntheticConfig) -> str:
+    return "synthetic" if config == DEFAULTS else config.spec()
 
 
 def locate_synthetic(spec_arguments: str) -> DatasetSource:
@@ -171,21 +215,12 @@ def locate_synthetic(spec_arguments: str) -> DatasetSource:
 
 def generate_synthetic(config: SyntheticConfig, progress: Progress) -> Graph:
     """Generate the graph of ``config`` (see the module docstring)."""
-    rng_labels, rng_edges, rng_features, rng_split = (np.random.default_rng(s) for s in np.random.SeedSequence(config.seed).spawn(4))
+    rng_labels, rng_edges, rng_features, rng_split = random_streams(config)
     num_nodes = config.nodes
-    labels = rng_labels.permutation(np.arange(num_nodes, dtype=np.int64) % config.classes)
+    labels = draw_labels(config, rng_labels)
     src, dst = _draw_edges(config, labels, rng_edges, progress)
-
-    centroids = rng_features.standard_normal((config.classes, config.features), dtype=np.float32)
     features = np.empty((num_nodes, config.features), dtype=np.float32)
-    with progress.step(f"drawing {num_nodes:,} x {config.features} features"):
-        rows = max(1, CHUNK // config.features)
-        for start in range(0, num_nodes, rows):
-            block = features[start:start + rows]
-            rng_features.standard_normal(block.shape, dtype=np.float32, out=block)
-            block *= np.float32(config.noise)
-            block += centroids[labels[start:start + rows]]
-
+    fill_features(config, labels, rng_features, features, progress)
     masks = random_split_masks(num_nodes, config.train, config.val, rng_split)
-    name = "synthetic" if config == DEFAULTS else config.spec()
+    name = graph_name(config)
     return build_graph(name, src, dst, features, labels, masks, config.classes, name, progress, symmetrized=False)
