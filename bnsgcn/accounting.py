@@ -12,12 +12,14 @@ from __future__ import annotations
 import resource
 import socket
 import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import psutil
 import torch
 
 from .comm import Comm
+from .timing import DeviceClock
 
 CATEGORIES = ("features", "gradients", "selections", "reduction", "evaluation", "control")
 TIMES = ("sampling", "forward", "backward", "exchange_selections", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle")
@@ -35,35 +37,55 @@ INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
 
 class EpochAccount:
-    """One rank's figures for one epoch, filled as the epoch runs."""
+    """One rank's figures for one epoch, filled as the epoch runs.
 
-    def __init__(self) -> None:
-        self.values = dict.fromkeys(COLUMNS, 0.0)
+    Phases are timed on the device's clock (:class:`~bnsgcn.timing.DeviceClock`: CUDA events
+    on CUDA, host time on CPU) and resolved once, by :meth:`take_comm` or :meth:`gather` at
+    the epoch's end. ``loss_sum`` may be left a device tensor: it is read there too.
+    """
+
+    def __init__(self, device: torch.device | None = None, clock: DeviceClock | None = None) -> None:
+        self.values: dict[str, float | torch.Tensor] = dict.fromkeys(COLUMNS, 0.0)
         self._saved: dict[int, int] = {}
+        self.clock = clock or DeviceClock(device or torch.device("cpu"))
 
-    @contextmanager
     def timed(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.values[f"time_{name}"] += time.perf_counter() - start
+        """Time a phase of the epoch as ``time_{name}`` (``epoch``: the whole epoch, ``epoch_time``)."""
+        return self.clock.timed("epoch_time" if name == "epoch" else f"time_{name}")
+
+    def _resolve(self) -> None:
+        for key, seconds in self.clock.resolve().items():
+            self.values[key] += seconds
+        self.clock.reset()
 
     @contextmanager
-    def saved_tensors(self):
-        """Count the bytes autograd keeps for backward (each storage once)."""
+    def saved_tensors(self, resident: Callable[[], Iterable[torch.Tensor | None]] = tuple):
+        """Count the bytes autograd keeps for backward (each storage once), plus those
+        :meth:`keep` names, less the storages ``resident()`` returns at the end: tensors the
+        rank holds anyway (partition data, the precomputed aggregation, exchange buffers),
+        which the memory report shows under their own holders."""
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            self._saved[storage.data_ptr()] = storage.nbytes()
+            self.keep([t])
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+        for t in resident():
+            if t is not None:
+                self._saved.pop(t.untyped_storage().data_ptr(), None)
         self.values["saved_activation_bytes"] = float(sum(self._saved.values()))
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors`` as kept for backward: what autograd's hooks do not see, such
+        as a checkpointed segment's inputs (:class:`bnsgcn.model.GNN`)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._saved[storage.data_ptr()] = storage.nbytes()
 
     def take_comm(self, comm: Comm) -> None:
         """Move the communicator's byte and second counters into this epoch's row."""
+        self._resolve()
         stats = comm.stats
         for c in CATEGORIES:
             self.values[f"sent_{c}"] += stats.sent.get(c, 0)
@@ -79,13 +101,20 @@ class EpochAccount:
         stats.reset()
 
     def gather(self, comm: Comm) -> torch.Tensor:
-        """Every rank's row: float64 [world_size, len(COLUMNS)] (on the CPU)."""
+        """Every rank's row: float64 [world_size, len(COLUMNS)] (on the CPU).
+
+        The epoch's device work is finished first (resolving its events waits for the last),
+        so the host time spent in the barrier is the time this rank's device stood idle
+        waiting for the slowest rank, on either device."""
+        self._resolve()
+        if isinstance(self.values["loss_sum"], torch.Tensor):  # the one read of the loss
+            self.values["loss_sum"] = float(self.values["loss_sum"])
         start = time.perf_counter()
         comm.barrier()  # returns when the slowest rank arrives
         self.values["time_idle"] = time.perf_counter() - start
         table = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
         table[comm.rank] = torch.tensor([self.values[c] for c in COLUMNS], dtype=torch.float64)
-        return comm.all_reduce(table.to(comm.device)).cpu()
+        return comm.all_reduce(table.to(comm.device, non_blocking=True)).cpu()
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
@@ -106,8 +135,9 @@ def resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, partition_bytes: int, baseline_rss_bytes: int) -> dict:
-    """What a rank reports once, at the end of training."""
+def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, holder_bytes: dict[str, int], baseline_rss_bytes: int) -> dict:
+    """What a rank reports once, at the end of training. ``holder_bytes``: bytes per
+    long-lived holder (:func:`bnsgcn.memory.holders`; ``partition_bytes`` among them)."""
     return {
         "rank": comm.rank,
         "host": socket.gethostname(),
@@ -115,7 +145,7 @@ def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, partit
         "inner_nodes": n_inner,
         "boundary_nodes": n_boundary,
         "edges": edges,
-        "partition_bytes": partition_bytes,
+        **holder_bytes,
         "baseline_rss_bytes": baseline_rss_bytes,
         **peak_memory(comm.device),
     }

@@ -24,22 +24,36 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from .device import resolve_device
+from .errors import PeerLost, UserError, first_sentence
+from .timing import DeviceClock
+
+# How long a rank whose collective failed waits for its peers to fail too, before naming
+# those that did not as the ones that stopped (see Comm.who_stopped).
+STALL_WAIT_S = 3.0
+FIRST_FAILURE_KEY = "first-failure"  # in the job's store: "rank R failed first: <its error>"
 
 
 @dataclass
 class CommStats:
-    """Bytes and seconds per category since the last :meth:`reset`."""
+    """Bytes and seconds per category since the last :meth:`reset`. Seconds are waits for
+    collectives on ``clock`` (device time on CUDA: see :mod:`bnsgcn.timing`)."""
 
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     sent_intra: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     sent_inter: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    clock: DeviceClock = field(default_factory=lambda: DeviceClock(torch.device("cpu")))
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per category (resolves the clock's events: call it at an epoch's end)."""
+        return self.clock.resolve()
 
     def reset(self) -> None:
-        for counter in (self.sent, self.received, self.seconds, self.sent_intra, self.sent_inter):
+        for counter in (self.sent, self.received, self.sent_intra, self.sent_inter):
             counter.clear()
+        self.clock.reset()
 
 
 @dataclass(frozen=True)
@@ -73,14 +87,23 @@ class Comm:
     """One rank's view of the job: rank, world size, device and the collectives it uses."""
 
     def __init__(
-        self, rank: int, world_size: int, local_rank: int, device: torch.device, timeout: float, nodes: Nodes | None = None, pipelined: bool = False
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        timeout: float,
+        nodes: Nodes | None = None,
+        pipelined: bool = False,
+        store: dist.Store | None = None,
     ):
         self.rank = rank
+        self.store = store  # the job's key-value store: progress reports (see report_progress)
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
         self.timeout = timeout
-        self.stats = CommStats()
+        self.stats = CommStats(clock=DeviceClock(device))
         self.nodes = nodes or Nodes.from_keys([""] * world_size)
         self.node = self.nodes.node_of[rank]
         self.node_ranks = self.nodes.members[self.node]
@@ -123,10 +146,9 @@ class Comm:
             if tensor.device != self.device:
                 raise RuntimeError(f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move it to comm.device first")
 
-    def _count(self, category: str, sent: int, received: int, seconds: float) -> None:
+    def _count(self, category: str, sent: int, received: int) -> None:
         self.stats.sent[category] += sent
         self.stats.received[category] += received
-        self.stats.seconds[category] += seconds
 
     def all_to_all_start(
         self,
@@ -148,10 +170,11 @@ class Comm:
         ``pipelined=True``).
         """
         self._check_device(send, out)
-        row_bytes = send.element_size() * math.prod(send.shape[1:])
         peers = self.node_ranks if within_node else range(self.world_size)
+        _check_splits(send, send_counts, out, recv_counts, len(peers))
+        row_bytes = send.element_size() * math.prod(send.shape[1:])
         me = self.node_rank if within_node else self.rank
-        self._count(category, (sum(send_counts) - send_counts[me]) * row_bytes, (sum(recv_counts) - recv_counts[me]) * row_bytes, 0.0)
+        self._count(category, (sum(send_counts) - send_counts[me]) * row_bytes, (sum(recv_counts) - recv_counts[me]) * row_bytes)
         for peer, count in zip(peers, send_counts):
             if peer != self.rank:
                 split = self.stats.sent_intra if self.nodes.node_of[peer] == self.node else self.stats.sent_inter
@@ -178,10 +201,10 @@ class Comm:
         """Sum ``tensor`` over all ranks in place."""
         self._check_device(tensor)
         if self.world_size > 1:
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
+            with self.stats.clock.timed(category):
+                dist.all_reduce(tensor)
             nbytes = tensor.numel() * tensor.element_size()
-            self._count(category, nbytes, nbytes, time.perf_counter() - start)
+            self._count(category, nbytes, nbytes)
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work | None:
@@ -190,26 +213,25 @@ class Comm:
         if self.world_size == 1:
             return None
         nbytes = tensor.numel() * tensor.element_size()
-        self._count("reduction", nbytes, nbytes, 0.0)
+        self._count("reduction", nbytes, nbytes)
         return dist.all_reduce(tensor, group=self.reduce_group, async_op=True)
 
     def wait(self, work: dist.Work | None, category: str = "reduction") -> None:
         """Block until ``work`` (a started collective) is done; the wait counts as ``category``'s time."""
         if work is not None:
-            start = time.perf_counter()
-            work.wait()
-            self.stats.seconds[category] += time.perf_counter() - start
+            with self.stats.clock.timed(category):
+                work.wait()
 
     def all_gather_within_node(self, tensor: torch.Tensor, category: str) -> torch.Tensor:
         """Every rank of this node's ``tensor`` (same shape on each): [len(node_ranks), *shape]."""
         self._check_device(tensor)
         if len(self.node_ranks) == 1:
             return tensor.unsqueeze(0).clone()
-        start = time.perf_counter()
         parts = [torch.empty_like(tensor) for _ in self.node_ranks]
-        dist.all_gather(parts, tensor, group=self.node_group)
+        with self.stats.clock.timed(category):
+            dist.all_gather(parts, tensor, group=self.node_group)
         nbytes = tensor.numel() * tensor.element_size() * (len(self.node_ranks) - 1)
-        self._count(category, nbytes, nbytes, time.perf_counter() - start)
+        self._count(category, nbytes, nbytes)
         self.stats.sent_intra[category] += nbytes
         return torch.stack(parts)
 
@@ -231,12 +253,75 @@ class Comm:
         if self.world_size > 1:
             dist.barrier()
 
+    def report_progress(self, stage: str) -> None:
+        """Publish where this rank is (e.g. ``"epoch 7"``) in the job's store, for
+        :meth:`who_stopped` on the other ranks. One small store write: call it per epoch,
+        not per collective."""
+        if self.store is not None and self.world_size > 1:
+            self.store.set(f"progress/{self.rank}", stage)
+
+    def report_failure(self, message: str) -> None:
+        """Publish why this rank is failing (one line) before it exits, for
+        :meth:`who_stopped` on its peers; best effort, the store may be gone already."""
+        if self.store is None or self.world_size == 1:
+            return
+        try:
+            self.store.set_timeout(timedelta(seconds=STALL_WAIT_S))
+            # compare_set creates the key only if absent: the first failing rank's line stays.
+            self.store.compare_set(FIRST_FAILURE_KEY, "", f"rank {self.rank} failed first: {message}")
+        except Exception:  # nothing more to do: this rank's own error line still says it
+            pass
+
+    def who_stopped(self, wait_s: float = STALL_WAIT_S) -> str | None:
+        """After a collective failed: which rank caused it. A rank that failed for a reason
+        of its own (:meth:`report_failure`) is named with its error; otherwise the ranks
+        that stopped advancing, e.g. ``"rank 3 stopped at epoch 7"``.
+
+        Every rank whose collective fails marks itself in the store; the ranks that have
+        not done so within ``wait_s`` seconds (their peers time out together) are the ones
+        that died or hang, named with the last stage they reported. None when every rank
+        failed alike (nobody stopped: e.g. the network) or this rank cannot tell.
+        """
+        if self.store is None or self.world_size == 1:
+            return None
+        try:
+            self.store.set_timeout(timedelta(seconds=wait_s))  # never wait --timeout again
+            self.store.set(f"failed/{self.rank}", "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                if self.store.check([FIRST_FAILURE_KEY]):
+                    return self.store.get(FIRST_FAILURE_KEY).decode()
+                silent = [r for r in range(self.world_size) if not self.store.check([f"failed/{r}"])]
+                if not silent or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+            stages = {r: self.store.get(f"progress/{r}").decode() if self.store.check([f"progress/{r}"]) else "setup" for r in silent}
+        except Exception:  # the store itself is gone: it lives in rank 0's process
+            return None if self.rank == 0 else "rank 0 stopped (it holds the job's store, which does not answer)"
+        if not silent:
+            return None
+        return ", ".join(f"rank {r} stopped at {stage}" for r, stage in stages.items()) + " while the others waited"
+
     def close(self) -> None:
         """Leave the job after a successful run: wait for every rank, then tear the groups
         down, so that no rank closes its connections while a peer still uses them."""
         if dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+
+def _check_splits(send: torch.Tensor, send_counts: list[int], out: torch.Tensor, recv_counts: list[int], peers: int) -> None:
+    """What NCCL's all-to-all needs, checked on every backend (gloo is more forgiving): one
+    count per peer (plain ints, none negative; zeros are fine), buffers of exactly
+    ``sum(counts)`` rows, one dtype and row shape on both sides, contiguous memory. Shapes
+    only: no device synchronisation."""
+    for name, counts, tensor in (("send", send_counts, send), ("receive", recv_counts, out)):
+        if len(counts) != peers or any(type(c) is not int or c < 0 for c in counts):
+            raise RuntimeError(f"all-to-all {name} counts {counts} must be {peers} non-negative ints")
+        if tensor.dim() == 0 or tensor.shape[0] != sum(counts) or not tensor.is_contiguous():
+            raise RuntimeError(f"all-to-all {name} buffer {tuple(tensor.shape)} must be contiguous with {sum(counts)} rows")
+    if send.dtype != out.dtype or send.shape[1:] != out.shape[1:]:
+        raise RuntimeError(f"all-to-all sends {send.dtype} rows {tuple(send.shape[1:])} into {out.dtype} rows {tuple(out.shape[1:])}")
 
 
 def _env_int(name: str) -> int:
@@ -260,18 +345,35 @@ def node_key(environ: dict[str, str] | None = None) -> str:
     return f"host={socket.gethostname()}"
 
 
+def _wait_for_master(address: str, port: int, timeout: float) -> None:
+    """Wait until rank 0's store at ``address:port`` accepts a connection, for at most
+    ``timeout`` seconds, then raise :class:`PeerLost` in one line. (torch's own client
+    would fail the same way, but after logging every retry with a C++ backtrace.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise PeerLost(
+                    f"no answer from the master {address}:{port} within --timeout {timeout:g} s ({exc.strerror or exc}); "
+                    "check that rank 0 runs there and that MASTER_ADDR/MASTER_PORT (--master-addr/--master-port) name it"
+                ) from None
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
 def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
     ``device`` is ``cuda`` (NCCL, one GPU per local rank), ``cpu`` (gloo) or ``auto``
-    (cuda when available). Every collective then fails after ``timeout`` seconds instead
+    (:func:`bnsgcn.device.resolve_device`: cuda when this machine has a GPU per local rank). Every collective then fails after ``timeout`` seconds instead
     of waiting forever on a dead rank. ``pipelined``: the job keeps boundary exchanges in
     flight across epochs (``--staleness 1``), on a group of their own.
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if device == "cuda":
         if torch.cuda.device_count() <= local_rank:
             raise UserError(
@@ -284,13 +386,19 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     else:
         torch_device, backend = torch.device("cpu"), "gloo"
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+    if rank != 0:
+        _wait_for_master(os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT"), timeout)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+    except dist.DistError as exc:
+        raise PeerLost(f"not every rank joined within --timeout {timeout:g} s ({first_sentence(exc)}); see the other ranks' errors") from exc
     # torchrun hands a restarted attempt the same store, still holding the dead attempt's
     # peer addresses: a prefix per attempt keeps the attempts apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"bnsgcn/attempt-{attempt}/", store)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"bnsgcn/attempt-{attempt}/", store),
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
@@ -300,4 +408,4 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     if world_size > 1:
         keys = [None] * world_size
         dist.all_gather_object(keys, node_key())
-    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined)
+    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined, store)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .compress import FORMATS as WIRE_FORMATS
+from .device import DEVICES
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
@@ -41,7 +42,8 @@ class TrainConfig:
     eval_every: int = _setting(10, "evaluate every N epochs, 0 = only at the end")
     precompute: bool | None = _setting(None, "precompute the first layer's full-graph aggregation (--no-precompute: aggregate it every epoch)", shown="on for graphsage and gcn")
     inductive: bool = _setting(False, "train on the subgraph induced by training nodes, evaluate on the full graph")
-    device: str = _setting("auto", "auto | cpu | cuda (set by --gpus / --procs)")
+    remat: bool = _setting(False, "recompute each layer's aggregation (and the norm before it) in backward instead of keeping it: less memory, about one more forward pass of compute")
+    device: str = _setting("auto", "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per local rank")
     threads: int | None = _setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
     out: Path | None = _setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")
     log_json: Path | None = _setting(None, "also write the per-epoch JSON lines here", type=Path, shown="none")
@@ -186,7 +188,7 @@ def validate(c: TrainConfig) -> None:
             raise UserError(f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9")
         if c.staleness != 1:
             raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
-    if c.device not in ("auto", "cpu", "cuda"):
+    if c.device not in DEVICES:
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:
         raise UserError(f"--threads {c.threads} must be a positive integer")

@@ -72,8 +72,10 @@ def exchange_selections(comm: Comm, topology: Topology, keep: torch.Tensor) -> t
     which of its send candidates the others kept: bool [sum(send_counts)] (on the CPU).
     All ranks must call this together."""
     # The bits travel on the communication device; packing, unpacking and the topology
-    # stay on the CPU (no-op moves there).
-    kept_bits = pack_segments(keep, topology.boundary_counts).to(comm.device)
+    # stay on the CPU (no-op moves there). Copies to the device are non-blocking: a
+    # blocking one waits for the device's queue (pageable memory is staged at once, so the
+    # source may change after the call).
+    kept_bits = pack_segments(keep, topology.boundary_counts).to(comm.device, non_blocking=True)
     wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8, device=comm.device)
     comm.all_to_all(kept_bits, _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
     return unpack_segments(wanted_bits.cpu(), topology.send_counts)
@@ -92,7 +94,7 @@ def make_plan(comm: Comm, topology: Topology, keep: torch.Tensor, p: float) -> E
         return empty_plan(topology, comm.device)
     wanted = exchange_selections(comm, topology, keep)
     return ExchangePlan(
-        send_index=topology.send_nodes[wanted].to(comm.device),
+        send_index=topology.send_nodes[wanted].to(comm.device, non_blocking=True),
         send_counts=segment_counts(wanted, topology.send_counts),
         recv_counts=segment_counts(keep, topology.boundary_counts),
     )
@@ -126,17 +128,18 @@ def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 
 class Buffer:
-    """Flat storage that grows as needed and hands out contiguous views of it."""
+    """Flat byte storage that grows as needed and hands out contiguous views of it, of any
+    dtype (so one buffer serves rows and gradients of different wire formats)."""
 
     def __init__(self) -> None:
-        self.storage: torch.Tensor | None = None
+        self.storage: torch.Tensor | None = None  # uint8
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
         s = self.storage
-        if s is None or s.numel() < numel or s.dtype != dtype or s.device != device:
-            self.storage = s = torch.empty(max(numel, 1), dtype=dtype, device=device)
-        return s[:numel].view(shape)
+        if s is None or s.numel() < nbytes or s.device != device:
+            self.storage = s = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return s[:nbytes].view(dtype).view(shape)
 
 
 def start_rows(
@@ -257,7 +260,15 @@ class BoundaryExchange:
         self.grads_format = grads_format or EXACT
         self.send_buffer = Buffer()
         self.grad_buffers = GradBuffers()
+        # Rows are sent only in forward passes and gradients received only in backward
+        # ones, never both at once: one buffer serves both (one activation-sized buffer less).
+        self.grad_buffers.recv = self.send_buffer
         self.recv_buffers: dict[int, Buffer] = {}
+
+    def buffers(self) -> list[torch.Tensor | None]:
+        """The storage of every buffer, as allocated so far (for memory accounting)."""
+        grads = self.grad_buffers
+        return [b.storage for b in (self.send_buffer, grads.send, grads.relay, *self.recv_buffers.values())]
 
     def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
         """Start fetching the rows of sampled boundary nodes for layer ``slot``;

@@ -134,7 +134,7 @@ def load_partition(parts_dir: Path, part: int, verify: bool = False) -> Partitio
     manifest = read_manifest(parts_dir)
     num_parts = int(manifest["parts"])
     if not 0 <= part < num_parts:
-        raise UserError(f"partition {part} requested but {parts_dir} has {num_parts} parts")
+        raise UserError(f"rank {part} has no partition: {parts_dir} has {num_parts} parts; start {num_parts} ranks, one per partition")
     entry = manifest["partitions"][part]
     part_dir = parts_dir / entry["dir"]
     arrays: dict[str, np.ndarray] = {}

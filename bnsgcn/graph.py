@@ -12,7 +12,9 @@ full-graph one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,15 +72,57 @@ class EpochGraph:
     plan: ExchangePlan
     exchange: BoundaryExchange | StaleExchange
     traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
+    # Recomputation in backward (--remat, bnsgcn.model): the rows each slot received, kept
+    # (detached) while ``kept_rows`` is a dict, and handed out again instead of exchanged
+    # while ``replaying``: a recomputed layer must not move rows a second time.
+    kept_rows: dict[int, torch.Tensor] | None = None
+    replaying: bool = field(default=False, init=False)
 
-    def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows:
+    def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows | _KeptRows:
         """Start fetching the rows of the sampled boundary nodes for layer ``slot`` from
-        their owners; ``.wait()`` returns them."""
-        return self.exchange.start(x_inner, self.plan, slot, self.traffic)
+        their owners; ``.wait()`` returns them [num_received, *row]. While :meth:`replay`
+        is active, the rows this slot received in the forward pass, without any exchange."""
+        if self.replaying:
+            if self.kept_rows is None or slot not in self.kept_rows:
+                raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
+            return _KeptRows(self.kept_rows, slot, None)
+        flight = self.exchange.start(x_inner, self.plan, slot, self.traffic)
+        return flight if self.kept_rows is None else _KeptRows(self.kept_rows, slot, flight)
+
+    def keep_rows(self) -> None:
+        """Keep each slot's received rows from now on, for :meth:`replay`."""
+        if self.kept_rows is None:
+            self.kept_rows = {}
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """While active, :meth:`start_boundary_rows` hands out the kept rows (the recomputation
+        of a checkpointed layer during backward)."""
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
 
     def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners."""
         return self.start_boundary_rows(x_inner, slot).wait()
+
+
+class _KeptRows:
+    """A slot's boundary rows: waited for and kept (``flight`` given), or the kept ones."""
+
+    def __init__(self, kept: dict[int, torch.Tensor], slot: int, flight: InFlightRows | None) -> None:
+        self.kept, self.slot, self.flight = kept, slot, flight
+
+    def wait(self) -> torch.Tensor:
+        if self.flight is None:
+            return self.kept[self.slot]
+        rows = self.flight.wait()
+        # detached: the recomputation only rebuilds the tensors backward needs; gradients
+        # reach the owners through the original pass's exchange
+        self.kept[self.slot] = rows.detach()
+        return rows
 
 
 class ShardGraph:
@@ -91,27 +135,39 @@ class ShardGraph:
         n, nb = topology.n_inner, topology.n_boundary
         self.inner = self.boundary = self.full = None
         if model == "gat":
-            self.full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values).to(device)
+            full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values)
+            # entries per boundary column, on the host: a sample's sizes without reading the device
+            self._column_nnz = full.t_indptr.diff()[n:]
+            self.full = full.to(device)
         else:
             (inner_ptr, inner_idx), (bnd_ptr, bnd_idx), is_inner = _split_columns(topology)
             self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, values[is_inner]).to(device)
-            self.boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, values[~is_inner]).to(device)
+            boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, values[~is_inner])
+            self._column_nnz = boundary.t_indptr.diff()
+            self.boundary = boundary.to(device)
+        self._inner_nnz = self.full.nnz - int(self._column_nnz.sum()) if self.full is not None else 0
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor of the static adjacency (for memory accounting)."""
+        return [t for adj in (self.inner, self.boundary, self.full) if adj is not None for t in adj.tensors()] + [self._column_nnz]
 
     def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange | StaleExchange, traffic: str = "features") -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
         if p >= 1.0:  # every column: nothing to select or rescale
             weight = torch.ones(self.full.n_cols, device=self.device) if self.full is not None else None
             return EpochGraph(self.inner, self.boundary, self.full, weight, plan, exchange, traffic)
-        keep = keep.to(self.device)
+        # sizes from the host copy of the sample (``keep`` is on the CPU): no device read
+        kept_columns, kept_nnz = int(keep.sum()), int(self._column_nnz[keep].sum())
+        keep = keep.to(self.device, non_blocking=True)  # a blocking copy would wait for the device
         scale = 1.0 / p if p > 0 else 1.0
         boundary = full = column_weight = None
         if self.boundary is not None:
-            boundary = self.boundary.select_columns(keep)
+            boundary = self.boundary.select_columns(keep, (kept_columns, kept_nnz))
             if scale != 1.0:
                 boundary = boundary.with_values(boundary.values * scale)
         if self.full is not None:
             keep_full = torch.cat([torch.ones(self.topology.n_inner, dtype=torch.bool, device=self.device), keep])
-            full = self.full.select_columns(keep_full)
+            full = self.full.select_columns(keep_full, (self.topology.n_inner + kept_columns, self._inner_nnz + kept_nnz))
             column_weight = torch.ones(full.n_cols, device=self.device)
             column_weight[self.topology.n_inner :] = scale
         return EpochGraph(self.inner, boundary, full, column_weight, plan, exchange, traffic)

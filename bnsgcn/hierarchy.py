@@ -119,7 +119,7 @@ class NodeAwarePlanner:
         if union_size:  # the same on every rank of the node: all gather, or none
             mine = torch.zeros(union_size, dtype=torch.bool)
             mine[self._column_union[keep & self._remote_column]] = True
-            gathered = self.comm.all_gather_within_node(pack_segments(mine, [union_size]).to(self.comm.device), "selections").cpu()
+            gathered = self.comm.all_gather_within_node(pack_segments(mine, [union_size]).to(self.comm.device, non_blocking=True), "selections").cpu()
             node_wanted = unpack_segments(gathered.flatten(), [union_size] * ranks_here).view(ranks_here, union_size)
         return self._plan(wanted, node_wanted, keep)
 
@@ -172,12 +172,12 @@ class NodeAwarePlanner:
         order[remote] = position[self._column_union[kept[remote]]]
         ranks_here = node_wanted.shape[0]
         relay = Relay(
-            send_index=position[union_index].to(device),
+            send_index=position[union_index].to(device, non_blocking=True),
             send_counts=torch.bincount(to_rank, minlength=ranks_here).tolist(),
             recv_counts=torch.bincount(from_rank, minlength=ranks_here).tolist(),
-            order=order.to(device),
+            order=order.to(device, non_blocking=True),
         )
-        return ExchangePlan(rows[by_destination].to(device), send_counts, recv_counts, relay)
+        return ExchangePlan(rows[by_destination].to(device, non_blocking=True), send_counts, recv_counts, relay)
 
 
 def _delegates(wanted: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

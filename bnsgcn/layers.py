@@ -19,6 +19,13 @@ from .graph import EpochGraph
 from .kernels import gat_aggregate, spmm, spmm_add_
 
 
+def narrow_aggregation(lin: nn.Linear) -> bool:
+    """The layer multiplies first and aggregates ``d_out`` < ``d_in`` columns: recomputing
+    it in backward costs its dense products and a narrow aggregation, little next to the
+    activations [n_inner, d_in] it would otherwise keep (:class:`bnsgcn.model.GNN`)."""
+    return lin.in_features > lin.out_features
+
+
 def aggregate(g: EpochGraph, x: Tensor, slot: int) -> Tensor:
     """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d].
 
@@ -39,6 +46,10 @@ class SAGEConv(nn.Module):
     """
 
     reads_x_with_x_agg = True  # W_s h_v still needs the node's own input
+
+    @property
+    def cheap_to_recompute(self) -> bool:
+        return narrow_aggregation(self.lin_neigh)
 
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
@@ -61,6 +72,10 @@ class GCNConv(nn.Module):
     """
 
     reads_x_with_x_agg = False  # with a precomputed aggregation the layer is W x_agg + b
+
+    @property
+    def cheap_to_recompute(self) -> bool:
+        return narrow_aggregation(self.lin)
 
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
@@ -88,6 +103,7 @@ class GATConv(nn.Module):
     """
 
     reads_x_with_x_agg = True  # never given x_agg: attention is not precomputable
+    cheap_to_recompute = False  # attention costs as much again: only with --remat
 
     def __init__(self, d_in: int, d_out: int, heads: int, slot: int, concat: bool = True, negative_slope: float = 0.2):
         super().__init__()

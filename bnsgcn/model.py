@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import TrainConfig
 from .graph import EpochGraph
@@ -48,7 +50,8 @@ class SyncBatchNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
             return (x - self.running_mean) * torch.rsqrt(self.running_var + self.eps) * self.weight + self.bias
-        count = _AllReduceSum.apply(x.new_tensor([float(x.shape[0])]), self.reduce)
+        # a fill on the device, not a copy from the host (which would wait for the device)
+        count = _AllReduceSum.apply(torch.full((1,), float(x.shape[0]), dtype=x.dtype, device=x.device), self.reduce)
         mean = _AllReduceSum.apply(x.sum(0), self.reduce) / count
         var = _AllReduceSum.apply(((x - mean) ** 2).sum(0), self.reduce) / count
         with torch.no_grad():
@@ -63,14 +66,36 @@ class GNN(nn.Module):
 
     ``x`` [n_inner, F] (and ``x_agg`` [n_inner, F], the precomputed first-layer
     aggregation, when the model uses it) -> logits [n_inner, num_classes].
+
+    What backward keeps (training). The forward pass runs as *segments*, each a
+    :func:`torch.utils.checkpoint.checkpoint`: a segment keeps only its input and recomputes
+    its inside in backward (dropout masks too: the random state is restored). Always, the
+    first layer with a precomputed ``x_agg`` is one segment: its inputs ``x`` and ``x_agg``
+    are resident anyway, and without it backward would keep ``dropout(x)`` and
+    ``dropout(x_agg)`` [n_inner, F] each for two GEMMs that cost less to redo. Always too,
+    a layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
+    output layer, [n_inner, hidden] -> [n_inner, classes]) is one segment with the norm
+    before it: it keeps ``y`` [n_inner, hidden] instead of ``y``, the mask and ``h``. With
+    ``remat`` (``--remat``) every layer is a segment, together with the norm, activation
+    and dropout before it (unless the norm is ``batch``, whose statistics are all-reduced:
+    it stays outside). A segment of layer ``l`` then keeps ``y_{l-1}`` [n_inner, d] (the
+    previous layer's output) instead of ``h_{l-1}``, the norm's input and mask, and the
+    aggregation ``A h`` its dense product needs: one activation per layer instead of about
+    four. The boundary rows a segment received are kept by the
+    :class:`~bnsgcn.graph.EpochGraph` and handed out again when it is recomputed, so rows
+    cross the network once per layer and direction, as without ``remat``.
+    ``kept_for_recompute`` lists the segment inputs of the last training pass (the memory
+    report counts them as saved activations).
     """
 
     def __init__(self, config: TrainConfig, in_dim: int, num_classes: int, reduce: Callable[[Tensor], Tensor]):
         super().__init__()
         self.dropout = config.dropout
+        self.remat = config.remat
         self.activation = F.elu if config.model == "gat" else F.relu
         self.layers = nn.ModuleList()
         self.norms = nn.ModuleList()
+        self.kept_for_recompute: list[Tensor] = []
         d_in = in_dim
         for i in range(config.layers):
             last = i == config.layers - 1
@@ -93,17 +118,39 @@ class GNN(nn.Module):
         return [p for m in modules for p in m.parameters()]
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+        self.kept_for_recompute = []
+        if self.training and torch.is_grad_enabled() and (self.remat or any(layer.cheap_to_recompute for layer in self.layers)):
+            g.keep_rows()  # a recomputed layer takes its boundary rows from here
+        h = self._segment(g, self._first_layer, x, x_agg, g, always=x_agg is not None)
+        for i in range(1, len(self.layers)):
+            norm = self.norms[i - 1]
+            cheap = self.layers[i].cheap_to_recompute
+            if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
+                h = self._segment(g, self._layer, self._between_layers(norm, h), i, g, None, always=cheap)
+            else:
+                h = self._segment(g, self._layer, h, i, g, norm, always=cheap)
+        return h
+
+    def _first_layer(self, x: Tensor, x_agg: Tensor | None, g: EpochGraph) -> Tensor:
+        """Input dropout -> layer 0 (-> the norm after it is the next segment's)."""
         # GCN with the precomputed first aggregation never reads x itself: no mask to draw for it.
         reads_x = x_agg is None or self.layers[0].reads_x_with_x_agg
         h = dropout(x, self.dropout, self.training) if reads_x else x
-        for i, layer in enumerate(self.layers):
-            if i == 0 and x_agg is not None:
-                h = layer(h, g, dropout(x_agg, self.dropout, self.training))
-            else:
-                h = layer(h, g)
-            if i < len(self.norms):
-                h = self._between_layers(self.norms[i], h)
-        return h
+        if x_agg is not None:
+            return self.layers[0](h, g, dropout(x_agg, self.dropout, self.training))
+        return self.layers[0](h, g)
+
+    def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
+        """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
+        return self.layers[i](y if norm is None else self._between_layers(norm, y), g)
+
+    def _segment(self, g: EpochGraph, fn: Callable[..., Tensor], *args, always: bool = False) -> Tensor:
+        """``fn(*args)``, as a recomputed segment when training with ``remat`` (or ``always``)."""
+        if not (self.training and torch.is_grad_enabled() and (self.remat or always)):
+            return fn(*args)
+        self.kept_for_recompute += [a for a in args if isinstance(a, Tensor)]
+        # The recomputation runs inside g.replay(): boundary rows come from the forward pass.
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: (nullcontext(), g.replay()))
 
     def _between_layers(self, norm: nn.Module, h: Tensor) -> Tensor:
         """norm -> activation -> the next layer's input dropout; one fused pass for layer norm + ReLU."""

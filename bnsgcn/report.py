@@ -31,8 +31,17 @@ MiB = 2**20
 # figure -> (label, unit) in the table, in this order; a figure no rank reports is left out
 BALANCE = {
     "peak_memory_bytes": ("peak memory", "MiB"),
+    "peak_rss_bytes": ("peak host RSS", "MiB"),
+    "peak_cuda_allocated_bytes": ("peak device allocated", "MiB"),
+    "peak_cuda_reserved_bytes": ("peak device reserved", "MiB"),
     "memory_above_baseline_bytes": ("peak above process baseline", "MiB"),
+    # the largest holders of a rank's memory (bnsgcn.memory.HOLDERS), then what backward keeps
     "partition_bytes": ("partition tensors", "MiB"),
+    "precomputed_bytes": ("precomputed aggregation", "MiB"),
+    "adjacency_bytes": ("adjacency", "MiB"),
+    "exchange_buffer_bytes": ("exchange buffers", "MiB"),
+    "parameter_bytes": ("parameters and gradients", "MiB"),
+    "optimizer_state_bytes": ("optimizer state", "MiB"),
     "saved_activation_bytes": ("saved activations", "MiB"),
     "inner_nodes": ("inner nodes", ""),
     "boundary_nodes": ("boundary nodes", ""),
@@ -58,6 +67,21 @@ TIME_SPLIT = (
 # parts of the epoch measured one after the other (reports written before selections were
 # timed apart lack that column: it counts as 0 there)
 _SEQUENTIAL = ("sampling", "exchange_selections", "forward", "backward", "reduction", "evaluation")
+# Device memory: measured on CUDA only; elsewhere None ("-" in the table), never 0.
+DEVICE_MEMORY = ("peak_cuda_allocated_bytes", "peak_cuda_reserved_bytes")
+# The first epochs of a run compile kernels (numba, CUDA) and warm allocators: the report's
+# per-epoch figures are medians over the epochs after them.
+WARMUP_EPOCHS = 2
+
+
+def steady_state(tables: list[torch.Tensor], warmup: int = WARMUP_EPOCHS) -> tuple[torch.Tensor, dict]:
+    """Per rank and figure, the median over the steady epochs of ``tables`` (one float64
+    [world, columns] per epoch run): the first ``min(warmup, epochs - 1)`` epochs are left
+    out (a run of one epoch keeps it). Returns the medians and what they cover."""
+    left_out = max(min(warmup, len(tables) - 1), 0)
+    steady = tables[left_out:]
+    medians = torch.stack(steady).quantile(0.5, dim=0) if steady else torch.zeros(0)
+    return medians, {"epochs_run": len(tables), "warmup_epochs_left_out": left_out, "median_over_epochs": len(steady)}
 
 
 def time_split(means: dict[str, float]) -> dict[str, float]:
@@ -87,8 +111,8 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
     ranks = []
     for figures, row in zip(static, per_epoch.tolist()):
         means = dict(zip(columns, row))
-        rank = dict(figures)
-        rank["peak_memory_bytes"] = figures.get("peak_cuda_allocated_bytes", figures["peak_rss_bytes"])
+        rank = {key: None for key in DEVICE_MEMORY} | dict(figures)
+        rank["peak_memory_bytes"] = rank["peak_cuda_allocated_bytes"] if rank["peak_cuda_allocated_bytes"] is not None else figures["peak_rss_bytes"]
         if "baseline_rss_bytes" in figures:
             rank["memory_above_baseline_bytes"] = figures["peak_rss_bytes"] - figures["baseline_rss_bytes"]
         rank["boundary_inner_ratio"] = figures["boundary_nodes"] / max(figures["inner_nodes"], 1)
@@ -105,7 +129,11 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
         rank["time_idle"] = means["time_idle"]
         rank["saved_activation_bytes"] = means["saved_activation_bytes"]
         ranks.append(rank)
-    summary = {key: spread([r[key] for r in ranks]) for key in BALANCE if all(key in r for r in ranks)}
+    summary = {}
+    for key in BALANCE:
+        if all(key in r for r in ranks):  # reports of older releases may lack a figure
+            measured = [r[key] for r in ranks if r[key] is not None]
+            summary[key] = spread(measured) if measured else None  # None: not measured (CPU)
     return {"info": info, "ranks": ranks, "summary": summary}
 
 
@@ -128,7 +156,9 @@ def write(run_dir: Path, report: dict, figures: bool = True) -> Path:
     return path
 
 
-def _fmt(value: float, unit: str) -> str:
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
     if unit == "MiB":
         return f"{value / MiB:.1f}"
     if unit == "s":
@@ -155,12 +185,27 @@ def render_table(report: dict) -> str:
     rows = [["figure"] + [f"rank {r['rank']}" for r in ranks] + ["max", "mean", "min", "max/mean", "straggler"]]
     for key in (k for k in BALANCE if k in report["summary"]):
         s, unit = report["summary"][key], BALANCE[key][1]
+        if s is None:  # not measured on this device
+            rows.append([_label(key)] + ["-"] * (len(ranks) + 5))
+            continue
         rows.append(
             [_label(key)]
             + [_fmt(r[key], unit) for r in ranks]
             + [_fmt(s["max"], unit), _fmt(s["mean"], unit), _fmt(s["min"], unit), f"{s['imbalance']:.2f}", f"rank {s['straggler']}"]
         )
-    return _layout(rows)
+    return _layout(rows) + _steady_note(report["info"])
+
+
+def _steady_note(info: dict) -> str:
+    """The line under the table saying which epochs the per-epoch figures are medians of."""
+    steady = info.get("steady_state")
+    if not steady:
+        return ""
+    left_out, epochs = steady["warmup_epochs_left_out"], steady["epochs_run"]
+    return (
+        f"\nper-epoch figures: medians over {steady['median_over_epochs']} of {epochs} epochs run, "
+        f"the first {left_out} left out as warm-up (kernel compilation, allocator)"
+    )
 
 
 def compare(reports: list[tuple[str, dict]]) -> str:
@@ -175,7 +220,7 @@ def compare(reports: list[tuple[str, dict]]) -> str:
         rows.append([label] + [str(get(rep["info"])) for _, rep in reports])
     base = reports[0][1]["summary"]
     for key in BALANCE:
-        if not all(key in rep["summary"] for _, rep in reports):
+        if not all(rep["summary"].get(key) is not None for _, rep in reports):
             continue
         unit, first = BALANCE[key][1], base[key]["max"]
         cells = [_label(key)]
@@ -217,7 +262,7 @@ def write_figures(report: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize="small", loc="upper right")
 
     def memory(fig) -> None:
-        keys = [k for k in ("peak_memory_bytes", "memory_above_baseline_bytes", "partition_bytes", "saved_activation_bytes") if k in report["summary"]]
+        keys = [k for k in ("peak_rss_bytes", *DEVICE_MEMORY, "memory_above_baseline_bytes", "partition_bytes", "saved_activation_bytes") if report["summary"].get(k) is not None]
         ax = fig.subplots()
         grouped_bars(ax, {BALANCE[k][0]: [r[k] / MiB for r in ranks] for k in keys}, "MiB")
         peak = report["summary"]["peak_memory_bytes"]

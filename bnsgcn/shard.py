@@ -15,6 +15,7 @@ import torch
 
 from .errors import UserError
 from .format import load_partition
+from .kernels.adjacency import csr_problem
 
 
 def segment_counts(mask: torch.Tensor, counts: list[int]) -> list[int]:
@@ -150,6 +151,12 @@ def load_shard(parts_dir: Path, part: int, num_ranks: int, verify: bool = False)
     # The loaders check the dataset; these catch a partition set edited or damaged since
     # (sizes unchanged, so only --verify's checksums would notice), naming file and node.
     part_dir = Path(parts_dir) / arrays.manifest["partitions"][part]["dir"]
+    problem = csr_problem(topology.indptr, topology.indices, n_inner + topology.n_boundary)
+    if problem is not None:
+        raise UserError(
+            f"{part_dir / 'adj_indptr.npy'} and adj_indices.npy do not form this partition's adjacency ({problem}); "
+            "the files were edited or damaged: re-run bnsgcn-partition --force"
+        )
     features = _tensor(arrays["features"], torch.float32)
     bad_rows = ~torch.isfinite(features).all(dim=1)
     if bad_rows.any():

@@ -108,6 +108,15 @@ class StaleExchange:
         self.next_plan: ExchangePlan | None = None
         self.next_columns: Tensor | None = None
 
+    def buffers(self) -> list[Tensor | None]:
+        """Every buffer and running average of every slot, as allocated so far (for memory accounting)."""
+        out: list[Tensor | None] = []
+        for state in self.slots.values():
+            grads = state.grad_buffers
+            out += [b.storage for b in (state.send, *state.recv, grads.send, grads.recv, grads.relay)]
+            out += [state.row_average, state.row_seen, state.grad_average]
+        return out
+
     def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
         """At the start of an epoch: the next epoch's sample (bool [n_boundary]) and plan,
         what this epoch sends ahead for. The previous epoch's transfers move on to their
@@ -116,7 +125,7 @@ class StaleExchange:
             self._grads_cross(state)
             self._relay_rows(state)
         self.next_plan = next_plan
-        self.next_columns = next_keep.nonzero().flatten().to(self.comm.device)
+        self.next_columns = next_keep.nonzero().flatten().to(self.comm.device, non_blocking=True)
 
     def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows | _StaleFlight:
         """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows for slot

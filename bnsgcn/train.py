@@ -15,21 +15,22 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import time
+import signal
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import checkpoint, report
-from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, resident_bytes, static_figures, tensor_bytes
+from . import checkpoint, memory, report
+from .accounting import CATEGORIES, COLUMNS, INDEX, EpochAccount, resident_bytes, static_figures
 from .comm import Comm, init_from_env
 from .compress import WireFormat
 from .config import TrainConfig
-from .errors import UserError
+from .errors import JobStopped, PeerLost, UserError, first_sentence, is_peer_failure, peer_lost_message
 from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
@@ -38,10 +39,12 @@ from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
 from .progress import Progress
+from .provenance import launch_info, run_name_suffix
 from .reducer import GradientReducer
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
 from .stale import StaleExchange
+from .stopping import StopRequest, stop_on_signals
 
 SPLITS = ("train", "val", "test")
 
@@ -57,17 +60,29 @@ class GraphInputs:
     x_agg: Tensor | None
     labels: Tensor
     train_mask: Tensor
+    train_index: Tensor  # int64: the rows of train_mask, found once (no mask indexing per epoch)
 
 
 def run(config: TrainConfig) -> dict:
     """Run one rank of the job described by the environment (see :func:`bnsgcn.comm.init_from_env`)."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    memory.return_freed_memory()  # before any data: freed temporaries leave the process
     comm = init_from_env(config.device, config.timeout, pipelined=config.staleness > 0)
     # After a failure the groups are left as they are: a peer may be dead or hung, and
     # tearing down a group with a collective in flight can block or abort the process,
     # which then hides the real error. The process ends right after anyway.
-    summary = _train(config, comm)
+    try:
+        with stop_on_signals(config.checkpoint_every > 0) as stop:
+            summary = _train(config, comm, stop)
+    except Exception as exc:
+        if is_peer_failure(exc):  # name the rank that caused it, if the store knows
+            if isinstance(exc, PeerLost):
+                raise
+            raise PeerLost(peer_lost_message(exc, comm.who_stopped())) from exc
+        if not isinstance(exc, JobStopped):  # this rank is the cause: tell the others
+            comm.report_failure(str(exc).strip().splitlines()[0] if isinstance(exc, UserError) else f"{type(exc).__name__}: {first_sentence(exc)}")
+        raise
     comm.close()
     return summary
 
@@ -78,7 +93,7 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
     run_dir = config.out
     if comm.rank == 0:
         if run_dir is None:
-            run_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir = Path("runs") / (datetime.now().strftime("%Y%m%d-%H%M%S") + run_name_suffix(launch_info()))
             suffix = 1
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
@@ -110,7 +125,7 @@ def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topol
         boundary_x = fetch_boundary(comm, topology, features)
         with torch.no_grad():
             x_agg = spmm_add_(spmm(graph.inner, features), graph.boundary, boundary_x)
-    return GraphInputs(topology, graph, planner, features, x_agg, labels, train_mask)
+    return GraphInputs(topology, graph, planner, features, x_agg, labels, train_mask, train_mask.nonzero().flatten())
 
 
 def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInputs:
@@ -134,16 +149,19 @@ def _loss_sum(logits: Tensor, labels: Tensor, multilabel: bool) -> Tensor:
 
 
 def _score_counts(logits: Tensor, shard: Shard) -> Tensor:
-    """Per split (train, val, test): [correct, total, 0] or [tp, fp, fn] for multi-label."""
+    """Per split (train, val, test): [correct, total, 0] or [tp, fp, fn] for multi-label,
+    float64 [3, 3] on the logits' device (masked sums: no mask indexing, no device sync)."""
     rows = []
-    for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
-        if shard.multilabel:
-            pred, true = logits[mask] > 0, shard.labels[mask] > 0.5
-            rows.append([(pred & true).sum(), (pred & ~true).sum(), (~pred & true).sum()])
-        else:
-            correct = (logits[mask].argmax(1) == shard.labels[mask]).sum()
-            rows.append([correct, mask.sum(), torch.zeros((), device=logits.device)])
-    return torch.tensor([[float(v) for v in r] for r in rows], dtype=torch.float64)
+    if shard.multilabel:
+        pred, true = logits > 0, shard.labels > 0.5
+        for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
+            m = mask.unsqueeze(1)
+            rows.append(torch.stack([(pred & true & m).sum(), (pred & ~true & m).sum(), (~pred & true & m).sum()]))
+    else:
+        hit = logits.argmax(1) == shard.labels
+        for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
+            rows.append(torch.stack([(hit & mask).sum(), mask.sum(), torch.zeros((), dtype=torch.int64, device=logits.device)]))
+    return torch.stack(rows).to(torch.float64)
 
 
 def _scores(counts: Tensor, multilabel: bool) -> dict[str, float]:
@@ -193,36 +211,38 @@ class Best:
             self.state = copy.deepcopy(model.state_dict())
 
 
-def _train(config: TrainConfig, comm: Comm) -> dict:
+def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> dict:
     job = _setup(config, comm)
     start_epoch, best = _resume(job)
     metrics = _open_run_files(job, start_epoch)
     samples = _Samples(job)
     comm.stats.reset()  # setup traffic is not an epoch's
     progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
-    totals = torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64)
+    tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
     last_loss = float("nan")
     for epoch in range(start_epoch, config.epochs):
-        account = EpochAccount()
-        t0 = time.perf_counter()
-        _train_epoch(job, samples, epoch, account)
+        comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
+        account = EpochAccount(comm.device)
         scores = None
-        if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
-            with account.timed("evaluation"):
-                scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.exchange)
-            best.update(epoch + 1, scores, job.model)
-        account.values["epoch_time"] = time.perf_counter() - t0
+        with account.timed("epoch"):  # device time on CUDA (bnsgcn.timing)
+            _train_epoch(job, samples, epoch, account)
+            if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
+                with account.timed("evaluation"):
+                    scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.exchange)
+                best.update(epoch + 1, scores, job.model)
         account.take_comm(comm)
         table = account.gather(comm)
-        totals += table
+        tables.append(table)
         last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
         _write_epoch(job, metrics, _epoch_record(epoch + 1, last_loss, table), scores)
         _checkpoint(job, epoch + 1, best)
         progress.update()
+        if stop is not None and (signum := stop.agreed(comm)):
+            _stop(job, epoch + 1, best, signum)
     progress.close()
     if job.stale is not None:
         job.stale.drain()  # the transfers for the epoch after the last one
-    return _finish(job, metrics, best, totals, config.epochs - start_epoch, last_loss)
+    return _finish(job, metrics, best, tables, last_loss)
 
 
 def _setup(config: TrainConfig, comm: Comm) -> Job:
@@ -291,7 +311,7 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
     if job.comm.rank != 0:
         return None
     comm = job.comm
-    layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members]}
+    layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members], "launch": launch_info()}
     (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
     return MetricsWriter([job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []), keep_epochs=start_epoch)
 
@@ -326,16 +346,19 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
         g = inputs.graph.epoch(keep, config.p, plan, job.stale or job.exchange)
     job.model.train()
     torch.manual_seed(derive_seed(config.seed, job.comm.rank, epoch, 1))  # dropout
-    with account.timed("forward"), account.saved_tensors():
+    resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers(), *(job.stale.buffers() if job.stale else [])]  # noqa: E731 (held anyway)
+    with account.timed("forward"), account.saved_tensors(resident):
         logits = job.model(inputs.features, g, inputs.x_agg)
-        loss_sum = _loss_sum(logits[inputs.train_mask], inputs.labels[inputs.train_mask], job.shard.multilabel)
+        account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
+        loss_sum = _loss_sum(logits.index_select(0, inputs.train_index), inputs.labels.index_select(0, inputs.train_index), job.shard.multilabel)
     job.optimizer.zero_grad(set_to_none=False)
     with account.timed("backward"):
         (loss_sum / job.global_train).backward()
     with account.timed("reduction"):
         job.reducer.finish()
     job.optimizer.step()
-    account.values.update(loss_sum=float(loss_sum.detach()), sampled_boundary=plan.num_received)
+    # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
+    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received)
 
 
 def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: dict[str, float] | None) -> None:
@@ -350,12 +373,25 @@ def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: 
         )
 
 
-def _checkpoint(job: Job, epoch: int, best: Best) -> None:
-    """Every --checkpoint-every epochs: each rank's stale part, then rank 0's checkpoint."""
+def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
+    """Every rank, after ``epoch``, on a stop signal: checkpoint this epoch (unless the
+    schedule just did), then end the job (:mod:`bnsgcn.stopping`)."""
+    if epoch % job.config.checkpoint_every:
+        _checkpoint(job, epoch, best, now=True)
+    name = signal.Signals(signum).name
+    raise JobStopped(
+        f"stopped by {name} after epoch {epoch}, checkpoint written to {checkpoint.checkpoint_dir(job.run_dir)}; "
+        "run the same command with --resume to continue (a requeued SLURM job resumes by itself)",
+        signum,
+    )
+
+
+def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
+    """Every --checkpoint-every epochs (or ``now``): each rank's stale part, then rank 0's checkpoint."""
     config, comm = job.config, job.comm
     if not config.checkpoint_every:
         return
-    if epoch % config.checkpoint_every == 0:
+    if now or epoch % config.checkpoint_every == 0:
         if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
             job.stale.drain()
             checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
@@ -366,16 +402,27 @@ def _checkpoint(job: Job, epoch: int, best: Best) -> None:
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
 
-def _finish(job: Job, metrics: MetricsWriter | None, best: Best, totals: Tensor, epochs_run: int, last_loss: float) -> dict:
-    """The report (``totals``: every rank's figures summed over the ``epochs_run`` epochs),
-    the best model and the summary line (rank 0); the summary (every rank)."""
+def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float) -> dict:
+    """The report (``tables``: every rank's figures, one table per epoch run; the report
+    gives their steady-state medians), the best model and the summary line (rank 0); the
+    summary (every rank)."""
     config, comm, shard = job.config, job.comm, job.shard
     topo = shard.topology
-    partition_bytes = tensor_bytes(shard.features, shard.labels, topo.indptr, topo.indices, topo.degree, topo.send_nodes, job.eval_inputs.x_agg, job.train_inputs.x_agg)
-    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, partition_bytes, job.baseline_rss))
+    train, evaluate = job.train_inputs, job.eval_inputs
+    holder_bytes = memory.holders(
+        partition=[shard.features, shard.labels, shard.train_mask, shard.val_mask, shard.test_mask, topo.indptr, topo.indices, topo.degree, topo.send_nodes],
+        precomputed=[evaluate.x_agg, train.x_agg],
+        adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []),
+        exchange_buffers=job.exchange.buffers() + (job.stale.buffers() if job.stale is not None else []),
+        parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
+        optimizer_state=memory.optimizer_state_tensors(job.optimizer),
+    )
+    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss))
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
     if metrics is not None:
-        report.write(job.run_dir, report.build(figures, totals / max(epochs_run, 1), COLUMNS, {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": epochs_run}))
+        per_epoch, steady = report.steady_state(tables) if tables else (torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64), None)
+        info = {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": len(tables), "launch": launch_info(), "steady_state": steady}
+        report.write(job.run_dir, report.build(figures, per_epoch, COLUMNS, info))
         if best.state is not None:
             torch.save(best.state, job.run_dir / "best_model.pt")
         metrics.write(summary)
@@ -457,5 +504,5 @@ def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchang
     keep = torch.ones(inputs.topology.n_boundary, dtype=torch.bool)
     g = inputs.graph.epoch(keep, 1.0, inputs.planner.full(), exchange, traffic="evaluation")
     logits = model(inputs.features, g, inputs.x_agg)
-    counts = comm.all_reduce(_score_counts(logits, shard).to(comm.device)).cpu()
+    counts = comm.all_reduce(_score_counts(logits, shard)).cpu()  # the scores: one read
     return _scores(counts, shard.multilabel)

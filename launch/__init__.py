@@ -8,9 +8,10 @@ Modules:
   handling every rank shares.
 * :mod:`bnsgcn.launch.supervisor` -- runs local rank processes, forwards their output and stops
   all of them as soon as one fails.
-* :mod:`bnsgcn.launch.environment` -- reads the rank layout that torchrun or SLURM exported.
+* :mod:`bnsgcn.launch.environment` -- reads the rank layout that torchrun or SLURM exported, restart
+  counts, and the launch record handed to the engine (:mod:`bnsgcn.provenance`).
 * :mod:`bnsgcn.launch.discover` -- finds the partition set to train on.
-* :mod:`bnsgcn.launch.network` -- master-port checks.
+* :mod:`bnsgcn.launch.network` -- the master's address (must resolve) and port (default, in use).
 
 ``bnsgcn`` never imports ``launch``; ``launch`` imports ``bnsgcn``.
 """

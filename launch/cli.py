@@ -10,7 +10,9 @@ Two modes, chosen from the environment (docs/cli.md has examples of each):
   set. ``--nnodes``/``--node-rank`` run the same command once per machine.
 
 Problems that can be seen before any rank starts (GPU count, partition set, rank count,
-master port, flags) are reported as one ``error:`` line, exit status 2.
+master address and port, launchers per node under srun, flags) are reported as one
+``error:`` line, exit status 2. After a restart (torchrun's, or a requeued SLURM job) a
+run with a fixed ``--out`` resumes from its checkpoints without ``--resume``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, from_args
+from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
 
 from .discover import DEFAULT_SEARCH_ROOT, PartitionSet, check_world_size, choose_partition_set
-from .environment import RankEnvironment, detect_rank_environment, threads_per_rank
-from .network import DEFAULT_MASTER_PORT, check_port_number, free_port, port_in_use
+from .environment import (
+    RankEnvironment,
+    check_one_launcher_per_node,
+    detect_rank_environment,
+    export_launch_record,
+    in_slurm_step,
+    launch_record,
+    restart_count,
+    slurm_nodes,
+    this_host,
+    threads_per_rank,
+)
+from .network import check_master_address, check_port_number, default_master_port, free_port, port_in_use
 from .rank import LAUNCHER_PID_VARIABLE, exit_rank, report_errors, train, training_parser
 from .supervisor import Child, supervise
 
@@ -43,10 +57,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--procs", type=int, metavar="N", help="start N ranks on this machine, on CPU (gloo)")
     group.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running this command (default 1)")
     group.add_argument("--node-rank", type=int, default=0, help="index of this machine in [0, nnodes); node 0 hosts rank 0 (default 0)")
-    group.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, reachable from every node (default 127.0.0.1)")
+    group.add_argument(
+        "--master-addr", default=None,
+        help="address of node 0, reachable from every node (default: inside an srun step the step's first node, else 127.0.0.1; "
+        "as one rank of torchrun/srun an exported MASTER_ADDR wins)",
+    )
     group.add_argument(
         "--master-port", type=int, default=None,
-        help=f"TCP port of rank 0 on node 0 (default: a free port on a single machine, {DEFAULT_MASTER_PORT} with --nnodes > 1 or under SLURM)",
+        help="TCP port of rank 0 on node 0 (default: a free port with --nnodes 1; otherwise 20000 + SLURM_JOB_ID %% 20000 "
+        "inside a SLURM job, else 29500; as one rank of torchrun/srun an exported MASTER_PORT wins)",
     )
 
 
@@ -76,7 +95,8 @@ def check_launch_flags(args: argparse.Namespace) -> None:
 
 
 def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
-    """``--gpus`` means cuda, ``--procs`` cpu; otherwise ``--device`` (possibly "auto")."""
+    """``--gpus`` means cuda, ``--procs`` cpu; otherwise ``--device`` (possibly "auto",
+    resolved by :func:`bnsgcn.device.resolve_device` once the local rank count is known)."""
     if args.gpus is not None:
         if config.device == "cpu":
             raise UserError("--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks")
@@ -109,17 +129,31 @@ def ranks_per_node(partition_set: PartitionSet, nnodes: int) -> int:
     return partition_set.parts // nnodes
 
 
+def resume_after_restart(config: TrainConfig, environ: Mapping[str, str], announcer: bool) -> bool:
+    """Whether this run resumes: ``--resume``, or a restart (torchrun after a failure, a
+    requeued SLURM job) with a fixed ``--out`` to resume from. ``announcer``: this process
+    warns about a restart without ``--out`` (one process per job)."""
+    count, variable = restart_count(environ)
+    if config.resume or count == 0:
+        return config.resume
+    if config.out is not None:
+        return True
+    if announcer:
+        print(f"{PROG}: warning: restart {count} ({variable}) without --out starts a new run; pass a fixed --out to resume", file=sys.stderr, flush=True)
+    return False
+
+
 def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT) -> list[Child]:
     """Check everything that can fail before training and return this machine's ranks.
 
     Ranks ``node_rank * N + i`` for ``i < N`` of ``nnodes * N``; every child gets the
-    training flags plus the resolved ``--parts-dir``, ``--device`` and ``--threads``.
+    training flags plus the resolved ``--parts-dir``, ``--device`` and ``--threads``
+    (and ``--resume`` after a restart, see :func:`resume_after_restart`).
     """
     check_launch_flags(args)
+    check_one_launcher_per_node(os.environ, args.nnodes)
     config = from_args(args)
     device = choose_device(args, config)
-    if device == "auto":  # local ranks run on CPU unless GPUs are asked for
-        device = "cpu"
     local = args.gpus if args.gpus is not None else args.procs
     if local is not None and device == "cuda":
         require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
@@ -130,26 +164,33 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
         local = ranks_per_node(partition_set, args.nnodes)
         if device == "cuda":
             require_gpus(local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead")
+    device = resolve_device(device, local)
     world_size = local * args.nnodes
     check_world_size(partition_set, world_size)
 
+    nodes = slurm_nodes(os.environ) if in_slurm_step(os.environ) else None
+    master_addr = args.master_addr or (nodes[0] if nodes and args.nnodes > 1 else "127.0.0.1")
+    check_master_address(master_addr)
     port = args.master_port
     if port is None:
-        port = free_port() if args.nnodes == 1 else DEFAULT_MASTER_PORT
+        port = free_port() if args.nnodes == 1 else default_master_port(os.environ)
     if args.node_rank == 0 and port_in_use(port):
         everywhere = " on every node" if args.nnodes > 1 else ""
         raise UserError(f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}")
 
     threads = config.threads or threads_per_rank(local)
+    resume = ["--resume"] if resume_after_restart(config, os.environ, announcer=args.node_rank == 0) and not config.resume else []
     child_argv = [
-        sys.executable, "-m", "bnsgcn.launch.rank", *training_argv(argv),
+        sys.executable, "-m", "bnsgcn.launch.rank", *training_argv(argv), *resume,
         "--parts-dir", str(partition_set.path.resolve()), "--device", device, "--threads", str(threads),
     ]
+    launch: dict[str, str] = {}
+    export_launch_record(launch, launch_record("local", os.environ, nodes or (this_host() if args.nnodes == 1 else None)))
     # Large tensors in transparent huge pages: the kernels gather random feature rows, and
     # with 4 KiB pages nearly every row misses the TLB (see docs/benchmarks.md). A value
     # the user exported wins.
-    shared_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
-        "MASTER_ADDR": args.master_addr,
+    shared_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | launch | {
+        "MASTER_ADDR": master_addr,
         "GROUP_RANK": str(args.node_rank),  # which machine, as torchrun says it: the engine groups ranks by node
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
@@ -162,7 +203,7 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
     print(
         f"{PROG}: starting {ranks} of {world_size} on {device} "
-        f"({threads} thread{'s' if threads > 1 else ''} per rank), master {args.master_addr}:{port}",
+        f"({threads} thread{'s' if threads > 1 else ''} per rank), master {master_addr}:{port}",
         flush=True,
     )
     return [
@@ -174,32 +215,30 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
 def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: Path = DEFAULT_SEARCH_ROOT) -> TrainConfig:
     """The configuration of this process as one rank of a torchrun/SLURM job.
 
-    Exports the rendezvous variables, resolves the partition set and device, and after an
-    elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from ``--out``.
+    Exports the rendezvous variables and the launch record, resolves the partition set
+    and device, and after a restart (torchrun's, or a requeued SLURM job) resumes from
+    ``--out``.
     """
     check_launch_flags(args)
     config = from_args(args)
-    # "auto" stays: the engine takes cuda when available, and checks LOCAL_RANK has a GPU.
-    device = choose_device(args, config)
+    device = resolve_device(choose_device(args, config), ranks.local_world_size)
     partition_set = choose_partition_set(config.parts_dir, ranks.world_size, search_root)
     if config.parts_dir is None and ranks.rank == 0:
         announce(partition_set, search_root)
     check_world_size(partition_set, ranks.world_size)
+    check_master_address(ranks.master_addr)
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
     if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):
         raise UserError(f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass --master-port")
-    resume = config.resume
-    if ranks.restart_count > 0:
-        if config.out is not None:
-            resume = True
-        elif ranks.rank == 0:
-            print(f"{PROG}: warning: elastic restart {ranks.restart_count} without --out starts a new run; pass a fixed --out to resume", file=sys.stderr, flush=True)
+    resume = resume_after_restart(config, os.environ, announcer=ranks.rank == 0)
     ranks.export(os.environ)
+    nodes = slurm_nodes(os.environ) if ranks.source == "slurm" or in_slurm_step(os.environ) else None
+    export_launch_record(os.environ, launch_record(ranks.source, os.environ, nodes))
     return replace(config, parts_dir=partition_set.path.resolve(), device=device, threads=config.threads or ranks.threads, resume=resume)
 
 
 def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    master_port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+    master_port = default_master_port(os.environ) if args.master_port is None else args.master_port
     ranks = detect_rank_environment(os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes)
     if ranks is None:
         return supervise(prepare_local_ranks(args, argv))

@@ -9,11 +9,15 @@ such program is around and ``bnsgcn-train`` starts the ranks itself.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+
+from bnsgcn.provenance import LAUNCH_VARIABLE
 
 from bnsgcn.errors import UserError
 
@@ -22,6 +26,9 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # SLURM_PROCID/SLURM_LOCALID but is not one task of a multi-task step.
 SLURM_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID")
 SLURM_NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+# How many times the job was started again: by torchrun after a failure, by SLURM after a
+# requeue (preemption, node failure, scontrol requeue). Either way the run resumes.
+RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,59 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, usable_cpus() // local_ranks)
 
 
+def restart_count(environ: Mapping[str, str]) -> tuple[int, str]:
+    """How many times this job was restarted, and the variable that says so: the first of
+    :data:`RESTART_VARIABLES` above 0 (torchrun inside a requeued SLURM job sets its own
+    count to 0), else 0 and ""."""
+    for name in RESTART_VARIABLES:
+        if name in environ and (count := _int_variable(environ, name)) > 0:
+            return count, name
+    return 0, ""
+
+
+def in_slurm_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an ``srun`` job step."""
+    return all(name in environ for name in SLURM_VARIABLES)
+
+
+def slurm_nodes(environ: Mapping[str, str]) -> list[str] | None:
+    """The hosts of this SLURM step (else job), expanded; None outside SLURM."""
+    nodelist = next((environ[name] for name in SLURM_NODELIST_VARIABLES if name in environ), None)
+    return None if nodelist is None else expand_slurm_nodelist(nodelist)
+
+
+def check_one_launcher_per_node(environ: Mapping[str, str], nnodes: int) -> None:
+    """Under ``srun`` with ``--nnodes`` > 1 each task is the launcher of one node: refuse a
+    step with another number of tasks (``srun --ntasks-per-node=1`` inside an allocation of
+    several tasks per node still gets the allocation's task count from ``SLURM_NTASKS``),
+    before any of them starts a rank."""
+    if nnodes < 2 or not in_slurm_step(environ):
+        return
+    tasks = _int_variable(environ, "SLURM_NTASKS")
+    if tasks != nnodes:
+        raise UserError(
+            f"this srun step runs {tasks} copies of bnsgcn-train for --nnodes {nnodes}; start one per node: "
+            "srun -n $SLURM_NNODES --ntasks-per-node=1 bnsgcn-train --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID ..."
+        )
+
+
+def launch_record(mode: str, environ: Mapping[str, str], nodes: list[str] | None) -> dict:
+    """What the run directory records about how the job was started: ``mode`` (local,
+    torchrun or slurm), the batch system's job id and the nodes (None where unknown)."""
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    return {"mode": mode, "job_id": job_id, "nodes": nodes}
+
+
+def export_launch_record(environ: MutableMapping[str, str], record: dict) -> None:
+    """Hand :func:`launch_record` to the engine (:func:`bnsgcn.provenance.launch_info`)."""
+    environ[LAUNCH_VARIABLE] = json.dumps(record)
+
+
+def this_host() -> list[str]:
+    """The node list of a job on this one machine."""
+    return [socket.gethostname()]
+
+
 def _int_variable(environ: Mapping[str, str], name: str) -> int:
     value = environ[name]
     try:
@@ -75,7 +135,7 @@ def _int_variable(environ: Mapping[str, str], name: str) -> int:
 
 
 def detect_rank_environment(
-    environ: Mapping[str, str], *, master_addr: str, master_port: int, nnodes: int
+    environ: Mapping[str, str], *, master_addr: str | None, master_port: int, nnodes: int
 ) -> RankEnvironment | None:
     """The rank layout from ``environ``, or ``None`` when bnsgcn-train must start the ranks.
 
@@ -84,8 +144,10 @@ def detect_rank_environment(
     multi-task ``srun`` step (``SLURM_PROCID``, ``SLURM_NTASKS`` > 1, ``SLURM_LOCALID``,
     ``SLURM_STEP_ID``), unless ``nnodes`` > 1: that means one launcher per node, started
     by srun, supervising its own local ranks. ``master_addr``/``master_port`` fill in
-    what the environment leaves out (for SLURM the address defaults to the first host
-    of the step's node list).
+    what the environment leaves out (``MASTER_ADDR``/``MASTER_PORT`` exported win; for
+    SLURM without either address, the first host of the step's node list; for torchrun
+    127.0.0.1). ``TORCHELASTIC_RESTART_COUNT`` or ``SLURM_RESTART_COUNT`` give
+    ``restart_count``.
     """
     if all(name in environ for name in TORCHRUN_VARIABLES):
         world_size = _int_variable(environ, "WORLD_SIZE")
@@ -96,25 +158,24 @@ def detect_rank_environment(
             world_size=world_size,
             local_rank=_int_variable(environ, "LOCAL_RANK"),
             local_world_size=local_world_size,
-            master_addr=environ.get("MASTER_ADDR", master_addr),
+            master_addr=environ.get("MASTER_ADDR") or master_addr or "127.0.0.1",
             master_port=_int_variable(environ, "MASTER_PORT") if "MASTER_PORT" in environ else master_port,
             threads=threads_per_rank(local_world_size),
-            restart_count=_int_variable(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else 0,
+            restart_count=restart_count(environ)[0],
         )
-    if nnodes > 1 or not all(name in environ for name in SLURM_VARIABLES):
+    if nnodes > 1 or not in_slurm_step(environ):
         return None
     world_size = _int_variable(environ, "SLURM_NTASKS")
     if world_size < 2:
         return None
     nodes = next((_int_variable(environ, name) for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") if name in environ), 1)
     local_world_size = math.ceil(world_size / max(nodes, 1))
-    if "MASTER_ADDR" in environ:
-        address = environ["MASTER_ADDR"]
-    else:
-        nodelist = next((environ[name] for name in SLURM_NODELIST_VARIABLES if name in environ), None)
-        if nodelist is None:
+    address = environ.get("MASTER_ADDR") or master_addr
+    if address is None:
+        nodes = slurm_nodes(environ)
+        if nodes is None:
             raise UserError("SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; export MASTER_ADDR=<host of rank 0>")
-        address = first_slurm_host(nodelist)
+        address = nodes[0]
     return RankEnvironment(
         source="slurm",
         rank=_int_variable(environ, "SLURM_PROCID"),
@@ -124,6 +185,7 @@ def detect_rank_environment(
         master_addr=address,
         master_port=_int_variable(environ, "MASTER_PORT") if "MASTER_PORT" in environ else master_port,
         threads=_int_variable(environ, "SLURM_CPUS_PER_TASK") if "SLURM_CPUS_PER_TASK" in environ else threads_per_rank(local_world_size),
+        restart_count=restart_count(environ)[0],
     )
 
 

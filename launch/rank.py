@@ -10,10 +10,15 @@ by every rank, here and in ``bnsgcn-train`` under torchrun/SLURM:
 * a collective that failed because another rank died, failed or hung past ``--timeout``
   -> one line ``error: [rank R] communication with the other ranks failed: ...``, exit 4
   (:data:`LOST_PEERS_STATUS`; the traceback too with ``--debug``): this rank is a victim,
-  the cause is in another rank's report;
+  the cause is in another rank's report, or named in this line (``rank 3 stopped at
+  epoch 7``) when the engine could tell which rank stopped advancing;
+* a stop asked for by SIGTERM/SIGUSR1 (:class:`~bnsgcn.errors.JobStopped`, checkpoint
+  written) -> one line, exit 128 + the signal's number;
 * any other exception -> its traceback, every line prefixed ``[rank R]``, exit 1.
 
 Either way the last stderr line names the problem, which is what the supervisor quotes.
+Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) the exception is also written to
+torchrun's error file, so that torchrun's summary shows this rank's cause.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import re
 import signal
 import sys
 import traceback
@@ -29,9 +33,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, add_arguments, from_args
-from bnsgcn.errors import UserError
+from bnsgcn.errors import JobStopped, UserError, is_peer_failure, peer_lost_message
 
-# Exit status of a rank whose collective failed because of another rank (see lost_peers).
+# Exit status of a rank whose collective failed because of another rank (bnsgcn.errors.PeerLost).
 LOST_PEERS_STATUS = 4
 # Set by the local supervisor (bnsgcn.launch.cli): the pid of the launcher that started this rank.
 LAUNCHER_PID_VARIABLE = "BNSGCN_LAUNCHER_PID"
@@ -54,39 +58,32 @@ def report_errors(work: Callable[[], int], *, rank: int | None, debug: bool) -> 
     prefix = "" if rank is None else f"[rank {rank}] "
     try:
         return work()
-    except UserError as exc:
-        if debug:
-            _print_prefixed(traceback.format_exc(), prefix)
-        print(f"error: {prefix}{exc}", file=sys.stderr, flush=True)
-        return 2
     except Exception as exc:
-        if not lost_peers(exc):
+        record_for_torchrun(exc)
+        if isinstance(exc, UserError):
+            message, status = str(exc), 2
+        elif isinstance(exc, JobStopped):
+            message, status = str(exc), 128 + exc.signum
+        elif is_peer_failure(exc):
+            message, status = peer_lost_message(exc), LOST_PEERS_STATUS
+        else:  # a bug or a resource problem: the traceback is the report
             _print_prefixed(traceback.format_exc(), prefix)
             return 1
         if debug:
             _print_prefixed(traceback.format_exc(), prefix)
-        print(
-            f"error: {prefix}communication with the other ranks failed: {_first_sentence(exc)}; "
-            "another rank died or failed (see its error) or a collective took longer than --timeout",
-            file=sys.stderr, flush=True,
-        )
-        return LOST_PEERS_STATUS
+        print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
+        return status
 
 
-def lost_peers(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because of another rank (it died,
-    failed, or hung past the timeout): torch.distributed's own errors (store, rendezvous,
-    NCCL), or gloo transport errors, which reach Python as plain ``RuntimeError``."""
-    dist = sys.modules.get("torch.distributed")  # loaded by now if it raised
-    if dist is not None and isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc)
+def record_for_torchrun(exc: BaseException) -> None:
+    """Under torchrun, write ``exc`` to the error file its agent reads
+    (``TORCHELASTIC_ERROR_FILE``), as ``torch.distributed.elastic``'s ``@record`` would:
+    torchrun's failure summary then quotes this rank's error instead of only its exit code."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-
-def _first_sentence(exc: BaseException) -> str:
-    """The gist of a communication error: its first sentence, without gloo's source location."""
-    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
+    ErrorHandler().record_exception(exc)
 
 
 def _print_prefixed(text: str, prefix: str) -> None:

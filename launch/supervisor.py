@@ -5,7 +5,10 @@ it started. Its stdout/stderr are forwarded line by line to ours; the last stder
 are kept for the failure report. As soon as one child exits non-zero or is killed by a
 signal, every other child gets SIGTERM, then SIGKILL after ``grace_s`` seconds, and one
 line ``error: rank R failed (...): <its last error line>`` is printed. SIGINT/SIGTERM to
-this process stop all children the same way. No child outlives :func:`supervise`.
+this process stop all children the same way. SIGUSR1 (a batch system's warning ahead of
+a time limit, e.g. ``sbatch --signal=USR1@120``) is passed on to every child, which with
+checkpoints on saves one and exits (:mod:`bnsgcn.stopping`); supervision goes on. No child
+outlives :func:`supervise`.
 
 The rank named is the cause, not a victim: a rank whose collective failed because of
 another rank exits with :data:`~bnsgcn.launch.rank.LOST_PEERS_STATUS`; when such a rank exits
@@ -73,6 +76,31 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class _ForwardSignals:
+    """While entered, SIGUSR1 to this process is sent on to every started child (only the
+    main thread may install handlers; elsewhere this does nothing)."""
+
+    SIGNALS = (signal.SIGUSR1,)
+
+    def __init__(self, running: Sequence[_Running]) -> None:
+        self._running = running
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame) -> None:
+        for r in list(self._running):
+            if r.process.poll() is None:
+                r.process.send_signal(signum)
+
+    def __enter__(self) -> _ForwardSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def __exit__(self, *_exc) -> None:
@@ -166,7 +194,7 @@ def supervise(
     lock = threading.Lock()
     exits: queue.Queue[_Running] = queue.Queue()
     running: list[_Running] = []
-    with _StopSignals() as stop_signals:
+    with _StopSignals() as stop_signals, _ForwardSignals(running):
         try:
             for child in children:
                 running.append(_Running(child, exits, lock, stdout, stderr))

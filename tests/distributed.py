@@ -48,6 +48,20 @@ def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed:
     return out
 
 
+def graph_with_island(out: Path) -> Path:
+    """A 4-part set whose partition 3 is a component of its own: no boundary node, and no
+    other rank needs its rows (zero-sized splits in every all-to-all it takes part in)."""
+    main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
+    n = main.num_nodes + island.num_nodes
+    rows = np.concatenate([np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset for g, offset in ((main, 0), (island, main.num_nodes))])
+    sources = np.concatenate([main.indices, island.indices + main.num_nodes])
+    indptr, indices, _ = canonical_csr(sources, rows, n)
+    joined = Graph("joined", indptr, indices, *(np.concatenate([getattr(main, k), getattr(island, k)]) for k in ("features", "labels", "train_mask", "val_mask", "test_mask")), main.num_classes)
+    assignment = np.concatenate([np.arange(main.num_nodes) % 3, np.full(island.num_nodes, 3)])
+    write_partition_set(joined, assignment, out, parts=4, method_info=method_info("random", "cut", 0), progress=False)
+    return out
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: ports picked ahead of a run must not
     be taken meanwhile by the outgoing connections (ephemeral ports) of earlier runs' ranks."""
@@ -66,7 +80,7 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int]) -> None:
+def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int], instrument=None) -> None:
     local_rank = nodes[:rank].count(nodes[rank])
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), GROUP_RANK=str(nodes[rank]))
     torch.set_num_threads(1)
@@ -76,24 +90,29 @@ def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[in
     try:
         for config, port in zip(configs, ports):
             os.environ["MASTER_PORT"] = str(port)
+            collect = instrument() if instrument else None
             summary = run(config)
             model = summary.pop("model")
             results.append(summary | {"params": {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}})
+            if collect is not None:
+                results[-1]["instrumented"] = collect()
         queue.put((rank, results, None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None) -> list[list[dict]]:
+def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None, instrument=None) -> list[list[dict]]:
     """Run each config as a job of ``world`` ranks (processes); return results[rank][config].
 
     ``nodes[r]``: the node rank r plays (``GROUP_RANK``, as a multi-node launch sets it);
-    default all on one node.
+    default all on one node. ``instrument``: a module-level function each rank calls before
+    each run; it returns a function whose result, after the run, is the result's
+    ``instrumented``.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [free_port() for _ in configs]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world, instrument)) for r in range(world)]
     for p in procs:
         p.start()
     results: list = [None] * world

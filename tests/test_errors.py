@@ -334,6 +334,18 @@ def test_train_labels_out_of_range_in_an_edited_set(tmp_path, parts, good_run):
     )
 
 
+def test_train_adjacency_out_of_range_in_an_edited_set(tmp_path, parts, good_run):
+    # A column id past the partition's inner and boundary nodes: one line naming the files,
+    # not a traceback from deep inside the graph code.
+    indices = parts / "part-1" / "adj_indices.npy"
+    edit_array(indices, lambda array: array.__setitem__(0, 10**6))
+    expect_train_error(
+        tmp_path, parts, good_run, train_on(parts, good_run),
+        "rank 1 failed", str(parts / "part-1" / "adj_indptr.npy"), "adj_indices.npy do not form this partition's adjacency",
+        "CSR column ids must lie in", "re-run bnsgcn-partition --force",
+    )
+
+
 def test_train_nan_features_in_an_edited_set(tmp_path, parts, good_run):
     features = parts / "part-1" / "features.npy"
     edit_array(features, lambda array: array.__setitem__((2, 1), np.nan))

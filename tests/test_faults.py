@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,6 +228,8 @@ def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
     assert job.returncode == 4  # rank 0 lost its peer
     last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
     assert last_line.startswith("error: rank 0 failed (exit code 4): error: [rank 0] communication with the other ranks failed: Timed out"), last_line
+    # the hung rank is named, from the progress every rank reports through the store
+    assert re.search(r"; rank 1 stopped at epoch \d+ while the others waited$", last_line), last_line
     assert "Traceback" not in stderr_of(tmp_path, "job")
     assert_all_gone(processes, run_dir)
 

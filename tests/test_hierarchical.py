@@ -21,7 +21,7 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.format import load_partition
 from bnsgcn.sampler import sample_boundary
 
-from .distributed import free_port, partition, random_graph, run_ranks
+from .distributed import free_port, graph_with_island, partition, random_graph, run_ranks
 
 RANKS_PER_NODE = 2
 SEED = 5
@@ -153,19 +153,7 @@ def test_empty_sends_and_a_partition_without_boundary(tmp_path):
     """Partition 3 is a component of its own (no boundary node, nobody needs its rows) and
     p = 0.05 leaves many pairs of ranks with nothing to send: every exchange mode and wire
     format runs through zero-sized splits, and node-aware exchange still equals direct."""
-    from bnsgcn.partition.graph import Graph, canonical_csr
-    from bnsgcn.partition.partitioner import method_info
-    from bnsgcn.partition.writer import write_partition_set
-
-    main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
-    n = main.num_nodes + island.num_nodes
-    rows = np.concatenate([np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset for g, offset in ((main, 0), (island, main.num_nodes))])
-    sources = np.concatenate([main.indices, island.indices + main.num_nodes])
-    indptr, indices, _ = canonical_csr(sources, rows, n)
-    joined = Graph("joined", indptr, indices, *(np.concatenate([getattr(main, k), getattr(island, k)]) for k in ("features", "labels", "train_mask", "val_mask", "test_mask")), main.num_classes)
-    assignment = np.concatenate([np.arange(main.num_nodes) % 3, np.full(island.num_nodes, 3)])
-    parts = tmp_path / "parts"
-    write_partition_set(joined, assignment, parts, parts=4, method_info=method_info("random", "cut", 0), progress=False)
+    parts = graph_with_island(tmp_path / "parts")
     assert load_partition(parts, 3)["boundary_nodes"].shape == (0,)
 
     base = dict(parts_dir=parts, model="gat", layers=2, hidden=4, heads=2, epochs=2, eval_every=1, seed=1)

@@ -6,6 +6,7 @@ Supervisor tests use small ``python -c`` stand-ins for ranks; no training runs h
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -19,18 +20,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bnsgcn.errors import UserError
+from bnsgcn.device import resolve_device
+from bnsgcn.errors import JobStopped, PeerLost, UserError
 from bnsgcn.format import write_manifest
 from bnsgcn.launch import cli
+from bnsgcn.provenance import launch_info, run_name_suffix
 from bnsgcn.launch.discover import PartitionSet, check_world_size, choose_partition_set, find_partition_sets
 from bnsgcn.launch.environment import (
     RankEnvironment,
     detect_rank_environment,
     expand_slurm_nodelist,
     first_slurm_host,
+    restart_count,
     threads_per_rank,
 )
-from bnsgcn.launch.network import free_port, port_in_use
+from bnsgcn.launch.network import default_master_port, free_port, port_in_use
 from bnsgcn.launch.rank import report_errors, training_parser
 from bnsgcn.launch.supervisor import Child, supervise
 
@@ -42,7 +46,8 @@ LAUNCH_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
     "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NNODES",
-    "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK",
+    "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK", "SLURM_JOB_ID", "SLURM_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "BNSGCN_LAUNCH",
 )
 
 
@@ -235,8 +240,11 @@ def test_detect_slurm():
         "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
         "SLURM_JOB_NODELIST": "gpu[03-04,09]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "6",
     }
-    ranks = detect_rank_environment(env, master_addr="127.0.0.1", master_port=29511, nnodes=1)
+    ranks = detect_rank_environment(env, master_addr=None, master_port=29511, nnodes=1)
     assert ranks == RankEnvironment("slurm", 5, 8, 1, 4, "gpu03", 29511, 6)
+    # --master-addr given: it wins over the node list; SLURM_RESTART_COUNT: a requeued job
+    requeued = detect_rank_environment(env | {"SLURM_RESTART_COUNT": "1"}, master_addr="10.1.1.1", master_port=29511, nnodes=1)
+    assert (requeued.master_addr, requeued.restart_count) == ("10.1.1.1", 1)
     exported: dict[str, str] = {}
     ranks.export(exported)
     assert exported == {"MASTER_ADDR": "gpu03", "MASTER_PORT": "29511", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
@@ -429,7 +437,7 @@ def test_torchrun_restart_without_out_warns_and_starts_fresh(tmp_path, monkeypat
     status, out, err = run_cli(["--procs", "2"], capsys)
     assert status == 0
     assert "using partition set parts/two" in out  # rank 0 tells which set it took
-    assert "elastic restart 2 without --out" in err
+    assert "restart 2 (TORCHELASTIC_RESTART_COUNT) without --out starts a new run" in err
     assert trained[0].resume is False
 
 
@@ -437,13 +445,20 @@ def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environme
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
     trained = _capture_training(monkeypatch)
-    clean_environment.update(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="cn[5-6]", SLURM_NNODES="2")
+    resolved = []  # cn5 does not resolve here: record the check instead
+    monkeypatch.setattr(cli, "check_master_address", resolved.append)
+    clean_environment.update(
+        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="cn[5-6]", SLURM_NNODES="2", SLURM_JOB_ID="64242",
+    )
     status, out, _ = run_cli(["--procs", "2", "--epochs", "2"], capsys)
     assert status == 0
     assert out == ""  # only rank 0 announces the set
+    assert resolved == ["cn5"]
+    # the default port comes from the job id: 20000 + 64242 % 20000
     assert {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")} == {
-        "MASTER_ADDR": "cn5", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+        "MASTER_ADDR": "cn5", "MASTER_PORT": "24242", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
     }
+    assert launch_info() == {"mode": "slurm", "job_id": "64242", "nodes": ["cn5", "cn6"]}
     assert trained[0].device == "cpu"
 
 
@@ -467,3 +482,170 @@ def test_ranks_get_huge_pages_unless_the_user_chose(tmp_path, monkeypatch, clean
     clean_environment["THP_MEM_ALLOC_ENABLE"] = "0"
     children = cli.prepare_local_ranks(cli.build_parser().parse_args([]), [])
     assert {c.env["THP_MEM_ALLOC_ENABLE"] for c in children} == {"0"}
+
+
+# --- SLURM and torchrun behaviour (issue 15), without a cluster ---------------------------
+
+
+def test_restart_count_of_torchrun_or_a_requeued_slurm_job():
+    assert restart_count({}) == (0, "")
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == (2, "TORCHELASTIC_RESTART_COUNT")
+    # torchrun started by a requeued SLURM job: torchrun's own count is 0
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "0", "SLURM_RESTART_COUNT": "1"}) == (1, "SLURM_RESTART_COUNT")
+
+
+def test_default_master_port_derives_from_the_slurm_job_id():
+    assert default_master_port({}) == 29500
+    assert default_master_port({"SLURM_JOB_ID": "123"}) == 20123
+    assert default_master_port({"SLURM_JOB_ID": "64242"}) == 24242
+    # two jobs on one node get different ports, all below the ephemeral range
+    ports = {default_master_port({"SLURM_JOB_ID": str(job)}) for job in range(1000, 1100)}
+    assert len(ports) == 100 and max(ports) < 32768 and min(ports) >= 20000
+
+
+def test_per_node_launcher_under_slurm_takes_the_job_port_and_resumes_after_requeue(tmp_path, monkeypatch, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "four", 4)
+    clean_environment.update(
+        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost,cn7", SLURM_NNODES="2",
+        SLURM_JOB_ID="777", SLURM_RESTART_COUNT="1",
+    )
+    argv = ["--nnodes", "2", "--node-rank", "1", "--procs", "2", "--out", "run"]
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+    assert {c.env["MASTER_PORT"] for c in children} == {"20777"}
+    assert {c.env["MASTER_ADDR"] for c in children} == {"localhost"}  # first node of the job
+    assert all("--resume" in c.argv for c in children)  # requeued: continue from --out's checkpoints
+    assert json.loads(children[0].env["BNSGCN_LAUNCH"]) == {"mode": "local", "job_id": "777", "nodes": ["localhost", "cn7"]}
+    clean_environment["SLURM_RESTART_COUNT"] = "0"
+    children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+    assert not any("--resume" in c.argv for c in children)
+
+
+def test_slurm_task_resumes_after_requeue(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(
+        SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="9", SLURM_RESTART_COUNT="2",
+    )
+    monkeypatch.setattr(cli, "port_in_use", lambda port: False)
+    assert run_cli(["--out", "run", "--epochs", "2"], capsys)[0] == 0
+    status, _, err = run_cli(["--epochs", "2"], capsys)  # no --out: nothing to resume from
+    assert status == 0
+    assert "restart 2 (SLURM_RESTART_COUNT) without --out starts a new run" in err
+    assert [c.resume for c in trained] == [True, False]
+
+
+def test_too_many_launchers_per_node_are_refused(tmp_path, monkeypatch, capsys, clean_environment):
+    """srun --ntasks-per-node=1 inside an allocation of 4 tasks per node still starts
+    SLURM_NTASKS tasks: each would start its own ranks. Refused before any rank starts."""
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    clean_environment.update(SLURM_PROCID="3", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost,cn2", SLURM_NNODES="2")
+    monkeypatch.setattr(cli, "supervise", lambda children: pytest.fail("ranks were started"))
+    status, _, err = run_cli(["--nnodes", "2", "--node-rank", "1", "--procs", "1"], capsys)
+    assert status == 2
+    assert err.startswith("error: this srun step runs 8 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1 ")
+
+
+def test_slurm_task_count_must_match_the_partition_set(tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    two = make_set(tmp_path / "two", 2)
+    trained = _capture_training(monkeypatch)
+    clean_environment.update(SLURM_PROCID="0", SLURM_NTASKS="3", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost")
+    status, _, err = run_cli(["--parts-dir", str(two)], capsys)
+    assert status == 2
+    assert err.startswith(f"error: [rank 0] 3 ranks but partition set {two} has 2 partitions")
+    assert trained == []
+
+
+@pytest.mark.parametrize("mode_env", [{}, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}])
+def test_master_address_that_does_not_resolve_fails_at_once(mode_env, tmp_path, monkeypatch, capsys, clean_environment):
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    trained = _capture_training(monkeypatch)
+    monkeypatch.setattr(cli, "supervise", lambda children: pytest.fail("ranks were started"))
+    clean_environment.update(mode_env)
+    start = time.monotonic()
+    status, _, err = run_cli(["--procs", "2", "--nnodes", "1", "--master-addr", "no-such-host.invalid"], capsys)
+    assert time.monotonic() - start < 10
+    assert status == 2
+    rank = "[rank 1] " if mode_env else ""
+    assert re.fullmatch(rf"error: {re.escape(rank)}master address 'no-such-host.invalid' does not resolve \([^)]*\); pass --master-addr .*\n", err)
+    assert trained == []
+
+
+def test_torchrun_error_file_records_the_rank_error(tmp_path, monkeypatch, capsys):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def fail() -> int:
+        raise UserError("--p 2 is outside [0, 1]")
+
+    assert report_errors(fail, rank=3, debug=False) == 2
+    assert capsys.readouterr().err == "error: [rank 3] --p 2 is outside [0, 1]\n"
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "UserError: --p 2 is outside [0, 1]"
+    assert "Traceback" in recorded["extraInfo"]["py_callstack"]
+
+
+def test_report_errors_stop_signal_and_named_peer(capsys):
+    def stopped() -> int:
+        raise JobStopped("stopped by SIGUSR1 after epoch 4, checkpoint written", signal.SIGUSR1)
+
+    assert report_errors(stopped, rank=0, debug=False) == 128 + signal.SIGUSR1
+    assert capsys.readouterr().err == "error: [rank 0] stopped by SIGUSR1 after epoch 4, checkpoint written\n"
+
+    def lost() -> int:
+        raise PeerLost("communication with the other ranks failed: Timed out; rank 3 stopped at epoch 7 while the others waited")
+
+    assert report_errors(lost, rank=1, debug=False) == 4
+    assert capsys.readouterr().err.endswith("; rank 3 stopped at epoch 7 while the others waited\n")
+
+
+def test_one_device_rule_for_launcher_and_engine(tmp_path, monkeypatch, clean_environment):
+    import torch
+
+    import bnsgcn.comm
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert (resolve_device("auto", 2), resolve_device("auto", 3), resolve_device("cpu", 1), resolve_device("cuda", 8)) == ("cuda", "cpu", "cpu", "cuda")
+    assert bnsgcn.comm.resolve_device is resolve_device  # the engine's ranks decide by the same rule
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    make_set(tmp_path / "parts" / "three", 3)
+    argv = ["--parts-dir", "parts/two"]
+    assert {c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)} == {"cuda"}
+    argv = ["--parts-dir", "parts/three"]  # three local ranks, two GPUs: CPU
+    assert {c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)} == {"cpu"}
+
+
+def test_run_directory_name_carries_the_job():
+    assert run_name_suffix({"mode": "slurm", "job_id": "4242", "nodes": ["a"]}) == "-slurm-4242"
+    assert run_name_suffix({"mode": "torchrun", "job_id": "none", "nodes": None}) == ""  # torchrun --standalone
+    assert run_name_suffix({"mode": None, "job_id": None, "nodes": None}) == ""
+    assert launch_info({}) == {"mode": None, "job_id": None, "nodes": None}
+
+
+def test_sigusr1_to_the_launcher_is_passed_to_every_rank():
+    """A batch system's warning (sbatch --signal=USR1@...) reaches the ranks, which save a
+    checkpoint and exit (stand-ins here exit 138 as the engine does)."""
+    rank = PRINT_PID + "; import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *_: sys.exit(138)); time.sleep(60)"
+    script = (
+        "import sys\nfrom bnsgcn.launch.supervisor import Child, supervise\n"
+        f"sys.exit(supervise([Child(r, [sys.executable, '-c', {rank!r}]) for r in range(2)]))\n"
+    )
+    launcher = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(30, launcher.kill)
+    watchdog.start()
+    try:
+        pids = [int(launcher.stdout.readline().split()[1]) for _ in range(2)]
+        time.sleep(0.5)  # the stand-ins install their handler after printing
+        launcher.send_signal(signal.SIGUSR1)
+        _, err = launcher.communicate(timeout=20)
+    finally:
+        watchdog.cancel()
+        launcher.kill()
+    assert launcher.returncode == 138
+    assert re.search(r"error: rank [01] failed \(exit code 138\)", err), err
+    assert all(is_gone(pid) for pid in pids)

@@ -162,6 +162,8 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
     full = report.load(tmp_path / "p1.0")
     assert set(full["summary"]) >= set(report.BALANCE) - {"memory_above_baseline_bytes"}
     assert full["info"]["world_size"] == 2 and full["info"]["epochs"] == epochs
+    assert full["info"]["steady_state"] == {"epochs_run": 2, "warmup_epochs_left_out": 1, "median_over_epochs": 1}
+    assert all(rank["peak_cuda_allocated_bytes"] is None and rank["peak_rss_bytes"] > 0 for rank in full["ranks"])  # CPU: not measured
     for r, rank in enumerate(full["ranks"]):
         e = rank["per_epoch"]
         assert rank["rank"] == r and rank["inner_nodes"] == len(arrays[r]["inner_nodes"]) and rank["boundary_nodes"] == boundary[r]
@@ -172,7 +174,8 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
         assert e["sent_gradients"] == boundary[r] * width_backward * FLOAT
         assert e["received_gradients"] == requested[r] * width_backward * FLOAT
         assert e["sent_selections"] == 0  # at p = 1 everybody knows the plan
-        assert e["sent_evaluation"] == requested[r] * width_forward * FLOAT / epochs
+        # the median of the steady epochs: the first is left out as warm-up, the second evaluates
+        assert e["sent_evaluation"] == requested[r] * width_forward * FLOAT
         assert rank["peak_memory_bytes"] > rank["partition_bytes"] > 0 and e["saved_activation_bytes"] > 0
         assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
     total_features = sum(r["per_epoch"]["sent_features"] for r in full["ranks"])
@@ -226,3 +229,51 @@ def test_target_preset_is_the_reference_graph_alone():
     assert all("nodes=200000" in step.spec for step in plan if step.group != "baseline")
     assert {step.kind for step in plan if step.group == "reference"} == {"train", "pyg", "bound"}
     assert not any(step.group == "accuracy" for step in plan)
+
+
+def _cuda_report() -> dict:
+    """Two CUDA ranks: device peaks next to host resident sets."""
+    static = [_static(0, 100, 50, 900, 400), _static(1, 100, 60, 800, 400)]
+    for r, (allocated, reserved) in enumerate(((3 * MiB, 4 * MiB), (1 * MiB, 2 * MiB))):
+        static[r] |= {"device": f"cuda:{r}", "peak_cuda_allocated_bytes": allocated, "peak_cuda_reserved_bytes": reserved}
+    rows = [{"epoch_time": 1.0, "time_forward": 0.5, "time_backward": 0.4}] * 2
+    return report.build(static, _per_epoch(rows), COLUMNS, {"config": {"model": "gat", "p": 1.0}, "world_size": 2})
+
+
+def test_device_memory_next_to_host_memory_and_absent_on_cpu(tmp_path):
+    cuda, cpu = _cuda_report(), _hand_report()
+    assert [r["peak_memory_bytes"] for r in cuda["ranks"]] == [3 * MiB, 1 * MiB]  # the device's allocated peak
+    assert cuda["summary"]["peak_cuda_reserved_bytes"]["max"] == 4 * MiB and cuda["summary"]["peak_rss_bytes"]["max"] == 900 * MiB
+    rows = {line.split("  ")[0]: line.split()[-8:] for line in report.render_table(cuda).splitlines()}
+    assert rows["peak device allocated (MiB)"][:2] == ["3.0", "1.0"] and rows["peak device reserved (MiB)"][:2] == ["4.0", "2.0"]
+    assert rows["peak host RSS (MiB)"][:2] == ["900.0", "800.0"]
+    # CPU: measured on no rank, so null in the JSON and "-" in the table, not 0
+    assert all(r["peak_cuda_allocated_bytes"] is None and r["peak_cuda_reserved_bytes"] is None for r in cpu["ranks"])
+    assert cpu["summary"]["peak_cuda_allocated_bytes"] is None
+    assert [r["peak_memory_bytes"] for r in cpu["ranks"]] == [3 * MiB, 1 * MiB, 2 * MiB]  # the resident set
+    row = next(line for line in report.render_table(cpu).splitlines() if line.startswith("peak device reserved"))
+    assert row.split()[4:] == ["-"] * 8
+    assert "peak device" not in report.compare([("cpu", cpu), ("cuda", cuda)])  # nothing to compare against
+    report.write(tmp_path, cuda, figures=False)
+    assert report.load(tmp_path)["ranks"][0]["peak_cuda_reserved_bytes"] == 4 * MiB
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(report.write_figures(cuda, tmp_path)) == 3 and len(report.write_figures(cpu, tmp_path)) == 3
+
+
+def test_per_epoch_figures_are_steady_state_medians():
+    """Warm-up epochs (kernel compilation) are left out; the median of the rest is reported."""
+    def epochs(times: list[float]) -> list[torch.Tensor]:
+        return [_per_epoch([{"epoch_time": t, "time_sampling": t / 10}, {"epoch_time": 2 * t}]) for t in times]
+
+    medians, steady = report.steady_state(epochs([9.0, 5.0, 1.0, 3.0, 2.0, 100.0]))
+    assert steady == {"epochs_run": 6, "warmup_epochs_left_out": 2, "median_over_epochs": 4}
+    column = COLUMNS.index("epoch_time")
+    assert medians[:, column].tolist() == pytest.approx([2.5, 5.0])  # median of 1, 3, 2, 100 (not the mean, 20.4)
+    assert medians[0, COLUMNS.index("time_sampling")] == pytest.approx(0.25)
+    assert report.steady_state(epochs([9.0, 1.0]))[1]["warmup_epochs_left_out"] == 1
+    medians, steady = report.steady_state(epochs([9.0]))
+    assert steady["warmup_epochs_left_out"] == 0 and medians[0, column] == 9.0
+    rep = report.build([_static(0, 1, 1, 1, 1), _static(1, 1, 1, 1, 1)], medians, COLUMNS, {"steady_state": steady})
+    assert report.render_table(rep).splitlines()[-1] == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, allocator)"
+    rep["info"]["steady_state"] = report.steady_state(epochs([9.0, 5.0, 1.0]))[1]
+    assert "medians over 1 of 3 epochs run, the first 2 left out" in report.render_table(rep)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import UserError
 from .backend import kernel_backend
 
 _INT32_MAX = 2**31 - 1
@@ -14,6 +13,27 @@ _INT32_MAX = 2**31 - 1
 def _compact_index(index: Tensor, bound: int) -> Tensor:
     """Index tensor as int32 when every value < ``bound`` fits (halves the bytes kernels read)."""
     return index.to(torch.int32) if bound <= _INT32_MAX else index.to(torch.int64)
+
+
+def csr_problem(indptr: Tensor, indices: Tensor, n_cols: int) -> str | None:
+    """What makes ``indptr``/``indices`` not a CSR matrix with ``n_cols`` columns and
+    ascending column ids in each row (one sentence), or None when they are one."""
+    if indptr.dim() != 1 or indptr.numel() < 1 or indptr.is_floating_point():
+        return "CSR indptr must be a 1-D integer tensor of length n_rows + 1"
+    if indices.dim() != 1 or indices.is_floating_point():
+        return "CSR indices must be a 1-D integer tensor"
+    indptr = indptr.to(torch.int64)
+    nnz = indices.numel()
+    if int(indptr[0]) != 0 or int(indptr[-1]) != nnz or bool((indptr[1:] < indptr[:-1]).any()):
+        return f"CSR indptr must start at 0, be non-decreasing and end at nnz={nnz}"
+    if n_cols < 0 or (nnz and (int(indices.min()) < 0 or int(indices.max()) >= n_cols)):
+        return f"CSR column ids must lie in [0, n_cols={n_cols})"
+    if nnz > 1:
+        row_start = torch.zeros(nnz, dtype=torch.bool, device=indices.device)
+        row_start[indptr[:-1][indptr[:-1] < nnz]] = True
+        if bool(((indices[1:] < indices[:-1]) & ~row_start[1:]).any()):
+            return "CSR column ids must be ascending within each row"
+    return None
 
 
 class Adjacency:
@@ -60,25 +80,17 @@ class Adjacency:
         """Validate a CSR matrix and build its transpose (O(nnz log nnz), once)."""
         indptr = torch.as_tensor(indptr)
         indices = torch.as_tensor(indices)
-        if indptr.dim() != 1 or indptr.numel() < 1 or indptr.is_floating_point():
-            raise UserError("CSR indptr must be a 1-D integer tensor of length n_rows + 1; pass the row pointer array")
-        if indices.dim() != 1 or indices.is_floating_point():
-            raise UserError("CSR indices must be a 1-D integer tensor; pass the column id array")
+        # The engine builds these from partition files that load_shard checked with
+        # csr_problem: a problem here is a bug, reported with its traceback.
+        problem = csr_problem(indptr, indices, n_cols)
+        if problem is not None:
+            raise ValueError(problem)
         indptr = indptr.to(torch.int64)
         nnz = indices.numel()
-        if int(indptr[0]) != 0 or int(indptr[-1]) != nnz or bool((indptr[1:] < indptr[:-1]).any()):
-            raise UserError(f"CSR indptr must start at 0, be non-decreasing and end at nnz={nnz}; rebuild the CSR arrays")
-        if n_cols < 0 or (nnz and (int(indices.min()) < 0 or int(indices.max()) >= n_cols)):
-            raise UserError(f"CSR column ids must lie in [0, n_cols={n_cols}); pass the right n_cols or fix the indices")
-        if nnz > 1:
-            row_start = torch.zeros(nnz, dtype=torch.bool, device=indices.device)
-            row_start[indptr[:-1][indptr[:-1] < nnz]] = True
-            if bool(((indices[1:] < indices[:-1]) & ~row_start[1:]).any()):
-                raise UserError("CSR column ids must be ascending within each row; sort each row's columns")
         if values is not None:
             values = torch.as_tensor(values)
             if values.shape != (nnz,) or not values.is_floating_point():
-                raise UserError(f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array")
+                raise ValueError(f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array")
 
         indices = _compact_index(indices, max(n_cols, indptr.numel()))
         # Stable sort keeps the row-major order inside each column: rows stay ascending there.
@@ -95,6 +107,10 @@ class Adjacency:
     def nnz(self) -> int:
         return self.indices.numel()
 
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """Every tensor this matrix holds (for memory accounting; ``None`` where absent)."""
+        return (self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values)
+
     @property
     def device(self) -> torch.device:
         return self.indptr.device
@@ -102,22 +118,23 @@ class Adjacency:
     def with_values(self, values: Tensor | None) -> Adjacency:
         """Same sparsity structure (the transpose is shared, not rebuilt), new ``values [nnz]``."""
         if values is not None and (values.shape != (self.nnz,) or not values.is_floating_point()):
-            raise UserError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
+            raise ValueError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
         t_values = None if values is None else values[self.t_edge]
         return Adjacency(
             self.indptr, self.indices, values, self.t_indptr, self.t_indices, self.t_edge, t_values, self.n_cols
         )
 
-    def select_columns(self, keep: Tensor) -> Adjacency:
+    def select_columns(self, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
         """Keep the columns where ``keep [n_cols]`` (bool) is true, renumbered ``0..k-1`` in order.
 
         Both CSRs are filtered in O(nnz) (by the kernel backend of A's device); nothing is
         re-sorted: kept entries keep their relative order, so forward rows and transposed
-        columns stay sorted.
+        columns stay sorted. ``sizes`` (kept columns, kept entries), when the caller knows
+        them on the host, spares a GPU the synchronisation of reading them from the device.
         """
         if keep.shape != (self.n_cols,) or keep.dtype != torch.bool:
-            raise UserError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
-        return kernel_backend(self.device).select_columns(self, keep.to(self.device))
+            raise ValueError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
+        return kernel_backend(self.device).select_columns(self, keep.to(self.device, non_blocking=True), sizes)
 
     def to(self, device: torch.device | str) -> Adjacency:
         """Copy of every tensor on ``device``."""

@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..errors import UserError
 from .adjacency import Adjacency
 from .backend import kernel_backend
 
@@ -70,17 +69,17 @@ def gat_aggregate(
         Memory is O(nnz * H): alpha is kept for the backward, no O(nnz * D) temporaries.
     """
     if x.dim() != 3 or x.shape[0] != adj.n_cols:
-        raise UserError(f"gat_aggregate needs x of shape [n_cols={adj.n_cols}, H, D], got {list(x.shape)}")
+        raise ValueError(f"gat_aggregate needs x of shape [n_cols={adj.n_cols}, H, D], got {list(x.shape)}")
     heads = x.shape[1]
     if score_src.shape != (adj.n_cols, heads) or score_dst.shape != (adj.n_rows, heads):
-        raise UserError(
+        raise ValueError(
             f"gat_aggregate needs score_src [{adj.n_cols}, {heads}] and score_dst [{adj.n_rows}, {heads}], "
             f"got {list(score_src.shape)} and {list(score_dst.shape)}"
         )
     if col_weight is not None and col_weight.shape != (adj.n_cols,):
-        raise UserError(f"col_weight must have shape [n_cols={adj.n_cols}], got {list(col_weight.shape)}")
+        raise ValueError(f"col_weight must have shape [n_cols={adj.n_cols}], got {list(col_weight.shape)}")
     if x.dtype not in (torch.float32, torch.float64) or score_src.dtype != x.dtype or score_dst.dtype != x.dtype:
-        raise UserError("gat_aggregate needs x, score_src and score_dst of one dtype, float32 or float64; cast them")
+        raise ValueError("gat_aggregate needs x, score_src and score_dst of one dtype, float32 or float64; cast them")
     x, score_src, score_dst = x.contiguous(), score_src.contiguous(), score_dst.contiguous()
     if col_weight is not None:
         col_weight = col_weight.to(x.dtype).contiguous()

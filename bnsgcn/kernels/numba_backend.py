@@ -321,8 +321,9 @@ def _offsets(counts: Tensor) -> Tensor:
     return offsets
 
 
-def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
-    """:meth:`Adjacency.select_columns` in three row-parallel passes: count, copy rows, copy columns."""
+def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
+    """:meth:`Adjacency.select_columns` in three row-parallel passes: count, copy rows, copy
+    columns (CPU only: ``sizes`` is not needed)."""
     work = adj.nnz + adj.n_rows
     keep_array = _array(keep)
     counts = torch.empty(adj.n_rows, dtype=torch.int64)

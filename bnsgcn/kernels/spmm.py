@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..errors import UserError
 from .adjacency import Adjacency
 from .backend import kernel_backend
 
@@ -40,9 +39,9 @@ class _SpMMAdd(torch.autograd.Function):
 
 def _check(adj: Adjacency, x: Tensor) -> Tensor:
     if x.dim() != 2 or x.shape[0] != adj.n_cols:
-        raise UserError(f"spmm needs x of shape [n_cols={adj.n_cols}, d], got {list(x.shape)}; check the feature rows")
+        raise ValueError(f"spmm needs x of shape [n_cols={adj.n_cols}, d], got {list(x.shape)}; check the feature rows")
     if x.dtype not in (torch.float32, torch.float64):
-        raise UserError(f"spmm supports float32 and float64 features, got {x.dtype}; cast the features")
+        raise ValueError(f"spmm supports float32 and float64 features, got {x.dtype}; cast the features")
     return x.contiguous()
 
 
@@ -71,7 +70,7 @@ def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
     """
     x = _check(adj, x)
     if base.shape != (adj.n_rows, x.shape[1]) or base.dtype != x.dtype or not base.is_contiguous():
-        raise UserError(f"spmm_add_ needs a contiguous {x.dtype} base of shape [{adj.n_rows}, {x.shape[1]}], got {base.dtype} {list(base.shape)}")
+        raise ValueError(f"spmm_add_ needs a contiguous {x.dtype} base of shape [{adj.n_rows}, {x.shape[1]}], got {base.dtype} {list(base.shape)}")
     if torch.is_grad_enabled() and (x.requires_grad or base.requires_grad):
         return _SpMMAdd.apply(base, x, adj)
     return kernel_backend(x.device).spmm_add_(base, adj, x)

@@ -33,32 +33,48 @@ def _values_or_ones(values: Tensor | None, nnz: int, like: Tensor) -> Tensor:
     return values.to(like.dtype)
 
 
-def _rows_of_entries(indptr: Tensor) -> Tensor:
+def _rows_of_entries(adj: Adjacency) -> Tensor:
     """int64 ``[nnz]``: the row id of each stored entry."""
-    return torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indptr.device), indptr.diff())
+    # output_size: the length (nnz) is known on the host, so CUDA need not read it back
+    return torch.repeat_interleave(torch.arange(adj.n_rows, device=adj.device), adj.indptr.diff(), output_size=adj.nnz)
 
 
-def select_columns(adj: Adjacency, keep: Tensor) -> Adjacency:
-    """:meth:`Adjacency.select_columns` with vectorised torch ops."""
+def _compact(x: Tensor, keep: Tensor, slot: Tensor, size: int) -> Tensor:
+    """``x[keep]`` of known length ``size`` without a device synchronisation: each kept entry
+    goes to its ``slot`` (its rank among the kept), the others to one spare slot dropped after."""
+    out = x.new_empty((size + 1, *x.shape[1:]))
+    out.index_copy_(0, torch.where(keep, slot, size), x)
+    return out[:size]
+
+
+def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
+    """:meth:`Adjacency.select_columns` with vectorised torch ops. ``sizes``: (kept columns,
+    kept entries) when the caller knows them (from the host); then nothing here waits for
+    the device (boolean-mask indexing would: its length is data)."""
     new_column = torch.cumsum(keep, 0) - 1
     edge_kept = keep[adj.indices]
     # kept_before[e] = number of kept entries before forward entry e = its new entry id.
     kept_before = torch.zeros(adj.nnz + 1, dtype=torch.int64, device=adj.device)
     torch.cumsum(edge_kept, 0, out=kept_before[1:])
+    if sizes is None:
+        sizes = (int(keep.sum()), int(kept_before[-1]))
+    n_cols, nnz = sizes
     indptr = kept_before[adj.indptr]
+    slot = kept_before[:-1]
     # Renumbered ids are no larger than the old ones: the index dtypes carry over.
-    indices = new_column[adj.indices[edge_kept]].to(adj.indices.dtype)
-    values = None if adj.values is None else adj.values[edge_kept]
+    indices = _compact(new_column[adj.indices].to(adj.indices.dtype), edge_kept, slot, nnz)
+    values = None if adj.values is None else _compact(adj.values, edge_kept, slot, nnz)
 
     # Transposed rows are whole columns: each segment is kept or dropped.
     t_kept = edge_kept[adj.t_edge]
-    column_nnz = adj.t_indptr.diff()[keep]
-    t_indptr = torch.zeros(column_nnz.numel() + 1, dtype=torch.int64, device=adj.device)
+    t_slot = torch.cumsum(t_kept, 0) - 1
+    column_nnz = _compact(adj.t_indptr.diff(), keep, new_column, n_cols)
+    t_indptr = torch.zeros(n_cols + 1, dtype=torch.int64, device=adj.device)
     torch.cumsum(column_nnz, 0, out=t_indptr[1:])
-    t_indices = adj.t_indices[t_kept]
-    t_edge = kept_before[adj.t_edge[t_kept].to(torch.int64)].to(adj.t_edge.dtype)
-    t_values = None if adj.t_values is None else adj.t_values[t_kept]
-    return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, column_nnz.numel())
+    t_indices = _compact(adj.t_indices, t_kept, t_slot, nnz)
+    t_edge = _compact(kept_before[adj.t_edge.to(torch.int64)].to(adj.t_edge.dtype), t_kept, t_slot, nnz)
+    t_values = None if adj.t_values is None else _compact(adj.t_values, t_kept, t_slot, nnz)
+    return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
 
 
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
@@ -92,7 +108,7 @@ def gat_forward(
     adj: Adjacency, x: Tensor, score_src: Tensor, score_dst: Tensor, col_weight: Tensor | None, negative_slope: float
 ) -> tuple[Tensor, Tensor]:
     """Attention aggregation; returns ``(Y [n_rows, H, D], alpha [nnz, H])``."""
-    rows = _rows_of_entries(adj.indptr)
+    rows = _rows_of_entries(adj)
     cols = adj.indices
     e = torch.nn.functional.leaky_relu(score_src[cols] + score_dst[rows], negative_slope)
     row_max = torch.segment_reduce(e, "max", offsets=adj.indptr, axis=0)
@@ -127,7 +143,7 @@ def gat_backward(
     need_dx: bool,
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`."""
-    rows = _rows_of_entries(adj.indptr)
+    rows = _rows_of_entries(adj)
     cols = adj.indices
     g = _sampled_dot(adj, dy, x)
     # Softmax backward per row: de = alpha * (g - sum_u alpha g).

@@ -1,0 +1,340 @@
+"""One GPU, one rank, p = 1 (issue 13, part 2): the engine against PyTorch Geometric on the
+same GPU, and the sparse products against the GPU's memory bandwidth.
+
+For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,965 nodes,
+~114M directed edges, 602 features, when it fits) and each model (GraphSAGE 3 x 128, GAT
+3 x 32 x 4 heads, the suite's sizes), it records:
+
+* the engine (``bnsgcn-train --gpus 1``): steady-state epoch time (median of the epochs
+  after the first two), peak device memory allocated and reserved (report.json);
+* PyTorch Geometric (benchmarks/pyg_reference.py's models, moved to the device): both
+  aggregation paths for GraphSAGE (``edge_index`` gather/scatter and CSR ``adj_t``), the
+  edge list for GAT; epoch time (median after the first two, each epoch synchronised) and
+  peak device memory; a path that runs out of memory is recorded as such;
+* the sparse products ``A X`` and ``A^T Y`` of the engine's kernels at widths 128 and F:
+  time (CUDA events, median of repeats) and the bytes they must touch (CSR arrays once,
+  ``X`` read once, ``Y`` written once) over the time, as a fraction of the device's copy
+  bandwidth measured here (``copy_`` of a large buffer: read + write bytes / time); also
+  the fraction with every edge's row gathered (the bytes with no cache reuse).
+
+Results go to ``RESULTS/gpu.json`` (merged by graph, model and implementation, so graphs can
+run in separate calls) and ``RESULTS/gpu.md``. On a GPU machine::
+
+    python -m benchmarks.gpu --graphs reference            # then:
+    python -m benchmarks.gpu --graphs reddit
+
+``--device cpu --quick`` runs every step on a tiny graph on the CPU (gloo, numba kernels,
+host timers), to check the script end to end without a GPU; it writes ``gpu-quick.*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.suite import MODELS, REPO, execute, machine, size_flags
+from bnsgcn.format import load_partition
+
+GRAPHS = {
+    # the tool writes the Reddit layout; without it (a machine without ../shared) the same
+    # sizes from the synthetic generator
+    "reference": "synthetic:nodes=200000,degree=25,features=128,classes=16",
+    "reddit": "synthetic:nodes=232965,degree=490,features=602,classes=41",
+    "quick": "synthetic:nodes=600,degree=6,features=16,classes=4",
+}
+REFERENCE_TOOL = REPO.parent / "shared" / "tools" / "make_reference_graph.py"
+EPOCHS = 10
+WARMUP = 2  # epochs left out of the medians (kernel compilation, allocator, cuSPARSE handles)
+TIMEOUT_S = 540
+
+
+def log(text: str) -> None:
+    print(f"[gpu-bench] {text}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- graphs
+def prepare_graph(name: str, work: Path, tool: Path = REFERENCE_TOOL) -> tuple[Path, str, str | None]:
+    """A one-partition set of graph ``name`` under ``work``: (path, how it was made, error)."""
+    parts = work / f"parts-{name}"
+    if (parts / "manifest.json").is_file():
+        return parts, "reused", None
+    if name == "reference" and tool.is_file():
+        data = work / "data-reference"
+        _, error = execute(["python", str(tool), "--out", str(data)], os.cpu_count() or 1, TIMEOUT_S)
+        if error:
+            return parts, "make_reference_graph.py", error
+        command, source = ["bnsgcn-partition", "reddit", "--data-dir", str(data)], "make_reference_graph.py (200k nodes, 128 features, 16 classes)"
+    else:
+        command, source = ["bnsgcn-partition", GRAPHS[name]], GRAPHS[name]
+    _, error = execute([*command, "--parts", "1", "--out", str(parts)], os.cpu_count() or 1, TIMEOUT_S)
+    return parts, source, error
+
+
+# ----------------------------------------------------------------------------- engine
+def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, threads: int) -> dict:
+    run_dir = work / f"run-{parts.name}-{model}-{device}"
+    ranks = ["--gpus", "1"] if device == "cuda" else ["--procs", "1", "--threads", str(threads)]
+    command = ["bnsgcn-train", "--parts-dir", str(parts), *ranks, "--model", model, *size_flags(model), "--p", "1", "--epochs", str(epochs),
+               "--eval-every", "0", "--out", str(run_dir)]
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    wall, error = execute(command, threads, TIMEOUT_S)
+    result = {"impl": "bnsgcn", "command": " ".join(command), "wall_s": wall}
+    if error:
+        return result | {"error": error, "out_of_memory": "out of memory" in error.lower()}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [line["time"]["epoch"] for line in lines if "time" in line]
+    rank = json.loads((run_dir / "report.json").read_text())["ranks"][0]
+    return result | {
+        "epoch_time_s": statistics.median(times[WARMUP:] or times), "epoch_times_s": times,
+        "peak_device_allocated_bytes": rank.get("peak_cuda_allocated_bytes"), "peak_device_reserved_bytes": rank.get("peak_cuda_reserved_bytes"),
+        "peak_rss_bytes": rank["peak_rss_bytes"], "time_split_s": rank["time_split"],
+    }
+
+
+# ----------------------------------------------------------------------------- PyG
+def pyg_worker(args: argparse.Namespace) -> dict:
+    """One PyG measurement in this process (run as a subprocess: its own memory peaks)."""
+    from benchmarks.fullgraph import load_full_graph, peak_rss_bytes
+    from benchmarks.pyg_reference import PygGAT, PygSAGE, adjacency
+
+    import torch_geometric
+    from torch_geometric.utils import spmm
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    graph = load_full_graph(args.parts_dir)
+    adj = adjacency(graph, args.variant)
+    sizes = MODELS[args.model]
+    features, labels, mask = graph.features.to(device), graph.labels.to(device), graph.train_mask.to(device)
+    adj = adj.to(device)
+    if args.model == "graphsage":
+        csr = adj if args.variant == "csr" else adjacency(graph, "csr").to(device)
+        x_agg = spmm(csr, features, reduce="mean")  # once, like the engine's precomputation
+        model = PygSAGE(features.shape[1], sizes["hidden"], graph.num_classes, sizes["layers"], 0.5).to(device)
+    else:
+        x_agg = None
+        model = PygGAT(features.shape[1], sizes["hidden"], graph.num_classes, sizes["layers"], sizes["heads"], 0.5).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    index = mask.nonzero().flatten()
+    n_train = index.numel()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.epochs):
+        start = time.perf_counter()
+        model.train()
+        optimizer.zero_grad()
+        logits = model(features, x_agg, adj)
+        loss = F.cross_entropy(logits[index], labels[index], reduction="sum") / n_train
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    result = {"impl": "pyg", "variant": args.variant, "torch_geometric": torch_geometric.__version__, "epoch_time_s": statistics.median(times[WARMUP:] or times),
+              "epoch_times_s": times, "peak_rss_bytes": peak_rss_bytes()}
+    if device.type == "cuda":
+        result |= {"peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device), "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return result
+
+
+def run_pyg(parts: Path, model: str, variant: str, device: str, epochs: int, threads: int) -> dict:
+    command = [sys.executable, "-m", "benchmarks.gpu", "--pyg-worker", "--parts-dir", str(parts), "--model", model, "--variant", variant,
+               "--device", device, "--epochs", str(epochs), "--threads", str(threads)]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"impl": "pyg", "variant": variant, "error": f"timed out after {TIMEOUT_S} s"}
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        return {"impl": "pyg", "variant": variant, "error": tail, "out_of_memory": "out of memory" in tail.lower()}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- bandwidth
+def _timer(device: torch.device):
+    """Seconds of one call of ``fn``: CUDA events on CUDA, host time elsewhere."""
+
+    def measure(fn) -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return measure
+
+
+def median_time(fn, device: torch.device, repeats: int) -> float:
+    measure = _timer(device)
+    fn()  # warm-up
+    return statistics.median(measure(fn) for _ in range(repeats))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes per second of ``copy_`` between two buffers (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_time(lambda: dst.copy_(src), device, repeats)
+
+
+def spmm_bandwidth(parts: Path, device: torch.device, widths: list[int], repeats: int, copy_bps: float) -> list[dict]:
+    """The engine's sparse products on the whole graph, GraphSAGE-normalised, against ``copy_bps``."""
+    from benchmarks.fullgraph import load_full_graph
+    from bnsgcn.kernels import Adjacency, kernel_backend
+
+    graph = load_full_graph(parts)
+    degree = graph.indptr.diff().to(torch.float32)
+    values = 1.0 / torch.repeat_interleave(degree, graph.indptr.diff())
+    adj = Adjacency.from_csr(graph.indptr, graph.indices, graph.num_nodes, values).to(device)
+    backend = kernel_backend(device)
+    n, nnz = graph.num_nodes, adj.nnz
+    csr_bytes = (n + 1) * 8 + nnz * (adj.indices.element_size() + 4)
+    rows = []
+    for width in widths:
+        x = torch.randn(n, width, device=device)
+        for name, fn in (("A X", lambda: backend.spmm(adj, x)), ("A^T Y", lambda: backend.spmm_transposed(adj, x))):
+            seconds = median_time(fn, device, repeats)
+            compulsory = csr_bytes + 2 * n * width * 4
+            gathered = csr_bytes + (nnz + n) * width * 4
+            rows.append({
+                "product": name, "width": width, "nodes": n, "nnz": nnz, "seconds": seconds,
+                "bytes_compulsory": compulsory, "bytes_gathered": gathered,
+                "achieved_bytes_per_s": compulsory / seconds, "fraction_of_copy_bandwidth": compulsory / seconds / copy_bps,
+                "gathered_fraction_of_copy_bandwidth": gathered / seconds / copy_bps,
+            })
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+def _merge(path: Path, document: dict) -> dict:
+    """Add this call's results to those already in ``path`` (same graph/model/impl replaced)."""
+    if path.is_file():
+        old = json.loads(path.read_text())
+        key = lambda r: (r.get("graph"), r.get("model"), r.get("impl"), r.get("variant"), r.get("product"), r.get("width"))  # noqa: E731
+        for section in ("runs", "spmm"):
+            fresh = {key(r) for r in document[section]}
+            document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document[section]
+        document["graphs"] = old.get("graphs", {}) | document["graphs"]
+    return document
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def render(document: dict) -> str:
+    m = document["machine"]
+    lines = [
+        f"Device: {m.get('device_name')} ({m.get('device')}), torch {m.get('torch')}, copy bandwidth {m.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s",
+        "",
+        "| graph | model | implementation | epoch (s) | peak device allocated (MiB) | peak device reserved (MiB) | vs PyG epoch | vs PyG memory |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    runs = document["runs"]
+    for run in runs:
+        best_pyg = min((r for r in runs if r["impl"] == "pyg" and r["graph"] == run["graph"] and r["model"] == run["model"] and "epoch_time_s" in r),
+                       key=lambda r: r["epoch_time_s"], default=None)
+        name = run["impl"] + (f" ({run['variant']})" if run.get("variant") else "")
+        if "error" in run:
+            lines.append(f"| {run['graph']} | {run['model']} | {name} | {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |")
+            continue
+        ratio = memory = ""
+        if run["impl"] == "bnsgcn" and best_pyg is not None:
+            ratio = f"{run['epoch_time_s'] / best_pyg['epoch_time_s']:.2f}x"
+            if run.get("peak_device_allocated_bytes") and best_pyg.get("peak_device_allocated_bytes"):
+                memory = f"{run['peak_device_allocated_bytes'] / best_pyg['peak_device_allocated_bytes']:.2f}x"
+        lines.append(f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} | {_mib(run.get('peak_device_allocated_bytes'))} | "
+                     f"{_mib(run.get('peak_device_reserved_bytes'))} | {ratio} | {memory} |")
+    lines += ["", "| graph | product | width | time (ms) | GB/s (compulsory bytes) | of copy bandwidth | with every row gathered |", "|---|---|---|---|---|---|---|"]
+    for row in document["spmm"]:
+        lines.append(f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} | {row['achieved_bytes_per_s'] / 1e9:.0f} | "
+                     f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a tiny graph, 4 epochs, few repeats: checks the script, measures nothing")
+    parser.add_argument("--graphs", default="reference,reddit", help="comma-separated: reference, reddit (with --quick: quick)")
+    parser.add_argument("--models", default="graphsage,gat")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bnsgcn-gpu-bench", help="partition sets and runs (GBs for the Reddit-sized graph)")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--skip-pyg", action="store_true")
+    parser.add_argument("--reference-tool", type=Path, default=REFERENCE_TOOL,
+                        help="make_reference_graph.py (default ../shared/tools/; where it is missing, the synthetic generator at the same sizes)")
+    # internal: one PyG measurement in a process of its own
+    parser.add_argument("--pyg-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parts-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.pyg_worker:
+        print(json.dumps(pyg_worker(args)))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU", file=sys.stderr)
+        return 2
+    graphs = ["quick"] if args.quick else args.graphs.split(",")
+    epochs = 4 if args.quick else args.epochs
+    repeats = 3 if args.quick else 20
+    device = torch.device(args.device)
+    args.work.mkdir(parents=True, exist_ok=True)
+    copy_bps = copy_bandwidth(device, (16 if args.quick else 1024) * 2**20, repeats)
+    info = machine() | {"device": args.device, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                        "copy_bandwidth_gb_s": copy_bps / 1e9, "cuda": torch.version.cuda}
+    document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": []}
+    for graph in graphs:
+        log(f"{graph}: partition set")
+        parts, source, error = prepare_graph(graph, args.work, args.reference_tool)
+        document["graphs"][graph] = {"source": source, "error": error}
+        if error:
+            log(f"{graph}: could not be prepared: {error}")
+            continue
+        for model in args.models.split(","):
+            log(f"{graph} {model}: bnsgcn")
+            document["runs"].append({"graph": graph, "model": model} | run_engine(parts, model, args.device, epochs, args.work, args.threads))
+            if not args.skip_pyg:
+                for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
+                    log(f"{graph} {model}: pyg {variant}")
+                    document["runs"].append({"graph": graph, "model": model} | run_pyg(parts, model, variant, args.device, epochs, args.threads))
+        log(f"{graph}: sparse products")
+        widths = sorted({128, int(load_partition(parts, 0)["features"].shape[1])})
+        try:
+            document["spmm"] += [{"graph": graph} | row for row in spmm_bandwidth(parts, device, widths, repeats, copy_bps)]
+        except torch.OutOfMemoryError as exc:
+            document["graphs"][graph]["spmm_error"] = f"out of memory: {exc}"[:300]
+    stem = "gpu-quick" if args.quick else "gpu"
+    args.results.mkdir(parents=True, exist_ok=True)
+    document = _merge(args.results / f"{stem}.json", document)
+    (args.results / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
+    (args.results / f"{stem}.md").write_text(render(document))
+    print(render(document))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
