@@ -248,6 +248,16 @@ def _project(cluster, coarse_part):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
+def _move(v, source, target, part, size, train_size, train):  # pragma: no cover - numba
+    """Move node ``v`` from part ``source`` to ``target``, keeping both parts' counts."""
+    part[v] = target
+    size[source] -= 1
+    size[target] += 1
+    train_size[source] -= train[v]
+    train_size[target] += train[v]
+
+
+@numba.njit(cache=True, nogil=True)
 def _refine(indptr, indices, part, parts, train, cap_nodes, cap_train, order, rounds):  # pragma: no cover - numba
     """Greedy boundary moves that strictly lower the cut within both caps, then rebalancing; returns moves made."""
     n = indptr.shape[0] - 1
@@ -275,11 +285,7 @@ def _refine(indptr, indices, part, parts, train, cap_nodes, cap_train, order, ro
                     if conn[q] > best_conn and size[q] + 1 <= cap_nodes and (train[v] == 0 or train_size[q] + 1 <= cap_train):
                         best, best_conn = q, conn[q]
                 if best != p:
-                    part[v] = best
-                    size[p] -= 1
-                    size[best] += 1
-                    train_size[p] -= train[v]
-                    train_size[best] += train[v]
+                    _move(v, p, best, part, size, train_size, train)
                     moved += 1
             for e in range(start, end):
                 conn[part[indices[e]]] = 0
@@ -311,11 +317,7 @@ def _refine(indptr, indices, part, parts, train, cap_nodes, cap_train, order, ro
                     best, best_conn = q, conn[q]
             conn[:] = 0
             if best >= 0:
-                part[v] = best
-                size[p] -= 1
-                size[best] += 1
-                train_size[p] -= train[v]
-                train_size[best] += train[v]
+                _move(v, p, best, part, size, train_size, train)
                 total += 1
     return total
 
