@@ -22,7 +22,12 @@ from .comm import Comm
 from .timing import DeviceClock
 
 CATEGORIES = ("features", "gradients", "selections", "reduction", "evaluation", "control")
-TIMES = ("sampling", "forward", "backward", "exchange_selections", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle")
+# injected_delay: --inject-delay's sleep (a testing aid, never compute); sync: waits on other
+# ranks while averaging parameters (--sync other than allreduce, bnsgcn.paramsync)
+TIMES = (
+    "sampling", "forward", "backward", "exchange_selections", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle",
+    "injected_delay", "sync",
+)
 COLUMNS = (
     ("loss_sum", "sampled_boundary", "epoch_time")
     + tuple(f"time_{t}" for t in TIMES)
@@ -31,7 +36,9 @@ COLUMNS = (
     # all-to-all bytes sent to ranks on this node / on other nodes (a part of sent_*)
     + tuple(f"intra_node_{c}" for c in CATEGORIES)
     + tuple(f"inter_node_{c}" for c in CATEGORIES)
-    + ("saved_activation_bytes",)
+    # steps: optimizer steps this rank took; elapsed: seconds since the run's first epoch
+    # began, at this epoch's end (with a decoupled --sync, ranks end an epoch at different times)
+    + ("saved_activation_bytes", "steps", "elapsed")
 )
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -100,15 +107,22 @@ class EpochAccount:
         self.values["time_exchange_backward"] += stats.seconds.get("gradients", 0.0)
         stats.reset()
 
+    def row(self) -> torch.Tensor:
+        """This rank's row as it stands: float64 [len(COLUMNS)] (resolves the clock and reads
+        the loss; what :meth:`gather` sends, and what decoupled ``--sync`` modes keep until a
+        sync point, :class:`bnsgcn.paramsync.EpochTables`)."""
+        self._resolve()
+        if isinstance(self.values["loss_sum"], torch.Tensor):  # the one read of the loss
+            self.values["loss_sum"] = float(self.values["loss_sum"])
+        return torch.tensor([self.values[c] for c in COLUMNS], dtype=torch.float64)
+
     def gather(self, comm: Comm) -> torch.Tensor:
         """Every rank's row: float64 [world_size, len(COLUMNS)] (on the CPU).
 
         The epoch's device work is finished first (resolving its events waits for the last),
         so the host time spent in the barrier is the time this rank's device stood idle
         waiting for the slowest rank, on either device."""
-        self._resolve()
-        if isinstance(self.values["loss_sum"], torch.Tensor):  # the one read of the loss
-            self.values["loss_sum"] = float(self.values["loss_sum"])
+        self.row()
         start = time.perf_counter()
         comm.barrier()  # returns when the slowest rank arrives
         self.values["time_idle"] = time.perf_counter() - start
@@ -124,10 +138,6 @@ def peak_memory(device: torch.device) -> dict[str, int]:
         figures["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         figures["peak_cuda_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return figures
-
-
-def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def resident_bytes() -> int:

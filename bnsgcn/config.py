@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .compress import FORMATS as WIRE_FORMATS
 from .device import DEVICES
+from . import straggler
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
@@ -67,6 +68,19 @@ class TrainConfig:
     stale_smoothing: float | None = _setting(
         None, "with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the stale rows and gradients",
         type=float, metavar="GAMMA", shown="off",
+    )
+    sync: str = _setting(
+        "allreduce",
+        "allreduce | grouped:G[:N] | partial:P | gossip:K: how ranks keep parameters together when some are slower; "
+        "allreduce sums gradients over every rank every step; grouped sums them inside N groups of similar speed "
+        "(default 2) and averages across group leaders every G steps; partial averages the first P ranks to arrive "
+        "each step; gossip averages with one random partner every K steps; all but allreduce need --p 0 or "
+        "--staleness 1 and average every rank before each evaluation, checkpoint and the end",
+        metavar="MODE",
+    )
+    inject_delay: str | None = _setting(
+        None, "testing aid: rank R sleeps S seconds every epoch, or a seeded uniform draw in LO-HI, e.g. 0:0.8,3:0.4-0.45; "
+        "reported as injected delay, not compute", type=str, metavar="R:S[,R:LO-HI...]", shown="none",
     )
     bucket_mb: float = _setting(1.0, "MiB of parameter gradients per all-reduce bucket")
     checkpoint_every: int = _setting(0, "save a checkpoint every N epochs (0: never)")
@@ -188,6 +202,8 @@ def validate(c: TrainConfig) -> None:
             raise UserError(f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9")
         if c.staleness != 1:
             raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
+    straggler.check_config(c.p, c.staleness, straggler.parse_sync(c.sync), c.norm)
+    straggler.parse_delays(c.inject_delay)
     if c.device not in DEVICES:
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

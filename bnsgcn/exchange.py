@@ -133,12 +133,14 @@ class Buffer:
 
     def __init__(self) -> None:
         self.storage: torch.Tensor | None = None  # uint8
+        self.largest = 0  # bytes of the largest storage it has held (for the memory report)
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         s = self.storage
         if s is None or s.numel() < nbytes or s.device != device:
             self.storage = s = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.largest = max(self.largest, s.numel())
         return s[:nbytes].view(dtype).view(shape)
 
 
@@ -265,10 +267,23 @@ class BoundaryExchange:
         self.grad_buffers.recv = self.send_buffer
         self.recv_buffers: dict[int, Buffer] = {}
 
+    def _all_buffers(self) -> list[Buffer]:
+        grads = self.grad_buffers  # grads.recv is send_buffer
+        return [self.send_buffer, grads.send, grads.relay, *self.recv_buffers.values()]
+
     def buffers(self) -> list[torch.Tensor | None]:
-        """The storage of every buffer, as allocated so far (for memory accounting)."""
-        grads = self.grad_buffers
-        return [b.storage for b in (self.send_buffer, grads.send, grads.relay, *self.recv_buffers.values())]
+        """The storage of every buffer now (tensors the rank holds anyway, for the accounting)."""
+        return [b.storage for b in self._all_buffers()]
+
+    def largest_bytes(self) -> int:
+        """Bytes of all buffers at their largest (what the memory report shows)."""
+        return sum(b.largest for b in self._all_buffers())
+
+    def release(self) -> None:
+        """Free every buffer (the next exchange allocates what it needs): after a pass that
+        moved more rows than training will, e.g. a full-graph evaluation."""
+        for buffer in self._all_buffers():
+            buffer.storage = None
 
     def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
         """Start fetching the rows of sampled boundary nodes for layer ``slot``;

@@ -153,7 +153,9 @@ def load_partition(parts_dir: Path, part: int, verify: bool = False) -> Partitio
         if verify and sha256_file(path) != meta["sha256"]:
             raise UserError(f"{path} fails its SHA-256 checksum: the file is corrupt; re-run bnsgcn-partition --force")
         try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            # copy-on-write: the file is opened read-only and never written; the engine uses
+            # arrays of the right dtype in place (bnsgcn.shard), as writable tensors
+            array = np.load(path, mmap_mode="c", allow_pickle=False)
         except ValueError as exc:
             raise UserError(f"{path} is not a readable .npy array ({exc}); re-run bnsgcn-partition --force") from None
         if list(array.shape) != meta["shape"] or str(array.dtype) != meta["dtype"]:

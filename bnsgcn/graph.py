@@ -1,11 +1,13 @@
 """The adjacency a model aggregates over: static per shard, sampled per epoch.
 
-Edge values carry the normalisation by *full-graph* degrees, so that with sampled
-boundary columns scaled by ``1/p`` the aggregation is an unbiased estimate of the
-full-graph one:
+The normalisation is by *full-graph* degrees, so that with sampled boundary columns
+scaled by ``1/p`` the aggregation is an unbiased estimate of the full-graph one. It is
+stored as per-node scale vectors of an unweighted pattern (``A = diag(r) P diag(c)``, see
+:class:`~bnsgcn.kernels.Adjacency`), O(n) instead of a value per edge forward and
+transposed, and the ``1/p`` of sampled columns is one more column scale:
 
-* ``mean`` (GraphSAGE): ``A[v, u] = 1 / deg(v)``
-* ``symmetric`` (GCN):  ``A[v, u] = 1 / sqrt(deg(u) deg(v))``
+* ``mean`` (GraphSAGE): ``A[v, u] = 1 / deg(v)``: ``r = 1/deg``, no ``c``
+* ``symmetric`` (GCN):  ``A[v, u] = 1 / sqrt(deg(u) deg(v))``: ``r = c = deg^{-1/2}``
 * ``None`` (GAT): pattern only; attention supplies the weights, sampled boundary
   columns get weight ``1/p`` inside the softmax.
 """
@@ -26,22 +28,22 @@ from .stale import StaleExchange
 NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
 
 
-def edge_values(topology: Topology, normalization: str | None) -> torch.Tensor | None:
-    """Per-edge values [nnz] of the normalised adjacency (None: unweighted pattern)."""
-    if normalization is None:
-        return None
-    rows = torch.repeat_interleave(torch.arange(topology.n_inner), topology.indptr.diff())
+def degree_scales(topology: Topology, normalization: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Row scale [n_inner] and column scale [n_inner + n_boundary] (None: all ones) of the
+    normalised adjacency ``diag(r) P diag(c)``."""
     degree = topology.degree
+    if normalization is None:
+        return None, None
     if normalization == "mean":
-        return 1.0 / degree[rows]
+        return 1.0 / degree[: topology.n_inner], None
     if normalization == "symmetric":
-        return torch.rsqrt(degree[rows] * degree[topology.indices])
+        scale = torch.rsqrt(degree)
+        return scale[: topology.n_inner], scale
     raise ValueError(f"unknown normalization {normalization!r}")
 
 
-def _split_columns(topology: Topology) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """CSR of the inner columns and of the boundary columns (shifted to start at 0),
-    and the mask telling which edges are inner."""
+def _split_columns(topology: Topology) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """CSR of the inner columns and of the boundary columns (shifted to start at 0)."""
     n = topology.n_inner
     rows = torch.repeat_interleave(torch.arange(n), topology.indptr.diff())
     is_inner = topology.indices < n
@@ -51,14 +53,14 @@ def _split_columns(topology: Topology) -> tuple[tuple[torch.Tensor, torch.Tensor
         torch.cumsum(torch.bincount(rows[mask], minlength=n), 0, out=indptr[1:])
         return indptr, topology.indices[mask] - shift
 
-    return csr(is_inner, 0), csr(~is_inner, n), is_inner
+    return csr(is_inner, 0), csr(~is_inner, n)
 
 
 @dataclass
 class EpochGraph:
     """What one forward pass aggregates over.
 
-    ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (values already
+    ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (columns already
     scaled by ``1/p``) are kept apart so the inner product runs while boundary rows are
     in flight. GAT's softmax couples the two, so it uses ``full``
     [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled] instead
@@ -72,10 +74,11 @@ class EpochGraph:
     plan: ExchangePlan
     exchange: BoundaryExchange | StaleExchange
     traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
-    # Recomputation in backward (--remat, bnsgcn.model): the rows each slot received, kept
-    # (detached) while ``kept_rows`` is a dict, and handed out again instead of exchanged
+    # Recomputation in backward (bnsgcn.model): the rows each slot of ``keep_slots``
+    # received, kept (detached) in ``kept_rows``, and handed out again instead of exchanged
     # while ``replaying``: a recomputed layer must not move rows a second time.
     kept_rows: dict[int, torch.Tensor] | None = None
+    keep_slots: frozenset[int] = field(default=frozenset(), init=False)
     replaying: bool = field(default=False, init=False)
 
     def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows | _KeptRows:
@@ -87,12 +90,14 @@ class EpochGraph:
                 raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
             return _KeptRows(self.kept_rows, slot, None)
         flight = self.exchange.start(x_inner, self.plan, slot, self.traffic)
-        return flight if self.kept_rows is None else _KeptRows(self.kept_rows, slot, flight)
+        return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
 
-    def keep_rows(self) -> None:
-        """Keep each slot's received rows from now on, for :meth:`replay`."""
-        if self.kept_rows is None:
-            self.kept_rows = {}
+    def keep_rows(self, slots: frozenset[int]) -> None:
+        """Keep the received rows of layer ``slots`` from now on, for :meth:`replay` (only
+        those: a kept tensor that is not a view of an exchange buffer, e.g. decoded int8
+        rows, stays alive until backward)."""
+        self.keep_slots = frozenset(slots)
+        self.kept_rows = {}
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -131,18 +136,19 @@ class ShardGraph:
     def __init__(self, topology: Topology, model: str, device: torch.device):
         self.topology = topology
         self.device = device
-        values = edge_values(topology, NORMALIZATION[model])
+        row_scale, col_scale = degree_scales(topology, NORMALIZATION[model])
         n, nb = topology.n_inner, topology.n_boundary
         self.inner = self.boundary = self.full = None
         if model == "gat":
-            full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb, values)
+            full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb)
             # entries per boundary column, on the host: a sample's sizes without reading the device
             self._column_nnz = full.t_indptr.diff()[n:]
             self.full = full.to(device)
         else:
-            (inner_ptr, inner_idx), (bnd_ptr, bnd_idx), is_inner = _split_columns(topology)
-            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, values[is_inner]).to(device)
-            boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, values[~is_inner])
+            (inner_ptr, inner_idx), (bnd_ptr, bnd_idx) = _split_columns(topology)
+            inner_cols, boundary_cols = (None, None) if col_scale is None else (col_scale[:n], col_scale[n:])
+            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, row_scale=row_scale, col_scale=inner_cols).to(device)
+            boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, row_scale=row_scale, col_scale=boundary_cols)
             self._column_nnz = boundary.t_indptr.diff()
             self.boundary = boundary.to(device)
         self._inner_nnz = self.full.nnz - int(self._column_nnz.sum()) if self.full is not None else 0
@@ -164,7 +170,7 @@ class ShardGraph:
         if self.boundary is not None:
             boundary = self.boundary.select_columns(keep, (kept_columns, kept_nnz))
             if scale != 1.0:
-                boundary = boundary.with_values(boundary.values * scale)
+                boundary = boundary.scale_columns(scale)
         if self.full is not None:
             keep_full = torch.cat([torch.ones(self.topology.n_inner, dtype=torch.bool, device=self.device), keep])
             full = self.full.select_columns(keep_full, (self.topology.n_inner + kept_columns, self._inner_nnz + kept_nnz))

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import TrainConfig
 from .graph import EpochGraph
-from .kernels import dropout, layer_norm_relu_dropout
+from .kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
 from .layers import GATConv, GCNConv, SAGEConv
 
 
@@ -67,13 +67,14 @@ class GNN(nn.Module):
     ``x`` [n_inner, F] (and ``x_agg`` [n_inner, F], the precomputed first-layer
     aggregation, when the model uses it) -> logits [n_inner, num_classes].
 
-    What backward keeps (training). The forward pass runs as *segments*, each a
+    What backward keeps (training). The input dropout of the first layer is a
+    :class:`~bnsgcn.kernels.RecomputedDropout`: ``x`` and ``x_agg`` are resident and need
+    no gradient, so backward keeps their masks and recomputes ``dropout(x)`` and
+    ``dropout(x_agg)`` [n_inner, F] for the weight gradients (one elementwise pass each)
+    instead of keeping them. Further, the forward pass runs as *segments*, each a
     :func:`torch.utils.checkpoint.checkpoint`: a segment keeps only its input and recomputes
-    its inside in backward (dropout masks too: the random state is restored). Always, the
-    first layer with a precomputed ``x_agg`` is one segment: its inputs ``x`` and ``x_agg``
-    are resident anyway, and without it backward would keep ``dropout(x)`` and
-    ``dropout(x_agg)`` [n_inner, F] each for two GEMMs that cost less to redo. Always too,
-    a layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
+    its inside in backward (dropout masks too: the random state is restored). Always, a
+    layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
     output layer, [n_inner, hidden] -> [n_inner, classes]) is one segment with the norm
     before it: it keeps ``y`` [n_inner, hidden] instead of ``y``, the mask and ``h``. With
     ``remat`` (``--remat``) every layer is a segment, together with the norm, activation
@@ -119,26 +120,33 @@ class GNN(nn.Module):
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
         self.kept_for_recompute = []
-        if self.training and torch.is_grad_enabled() and (self.remat or any(layer.cheap_to_recompute for layer in self.layers)):
-            g.keep_rows()  # a recomputed layer takes its boundary rows from here
-        h = self._segment(g, self._first_layer, x, x_agg, g, always=x_agg is not None)
+        # layers recomputed in backward even without remat (see the class docstring)
+        always = [False] + [layer.cheap_to_recompute for layer in self.layers[1:]]
+        if self.training and torch.is_grad_enabled() and g is not None:
+            # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
+            g.keep_rows(frozenset(i for i, cheap in enumerate(always) if self.remat or cheap))
+        h = self._segment(g, self._first_layer, x, x_agg, g)
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
-            cheap = self.layers[i].cheap_to_recompute
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
-                h = self._segment(g, self._layer, self._between_layers(norm, h), i, g, None, always=cheap)
+                h = self._segment(g, self._layer, self._between_layers(norm, h), i, g, None, always=always[i])
             else:
-                h = self._segment(g, self._layer, h, i, g, norm, always=cheap)
+                h = self._segment(g, self._layer, h, i, g, norm, always=always[i])
         return h
 
     def _first_layer(self, x: Tensor, x_agg: Tensor | None, g: EpochGraph) -> Tensor:
         """Input dropout -> layer 0 (-> the norm after it is the next segment's)."""
+        # x and x_agg need no gradient: what layer 0 keeps of their dropout is the mask
+        recomputed = RecomputedDropout()
         # GCN with the precomputed first aggregation never reads x itself: no mask to draw for it.
         reads_x = x_agg is None or self.layers[0].reads_x_with_x_agg
-        h = dropout(x, self.dropout, self.training) if reads_x else x
-        if x_agg is not None:
-            return self.layers[0](h, g, dropout(x_agg, self.dropout, self.training))
-        return self.layers[0](h, g)
+        h = recomputed(x, self.dropout, self.training) if reads_x else x
+        with recomputed.saving_recipes():
+            if x_agg is not None:
+                out = self.layers[0](h, g, recomputed(x_agg, self.dropout, self.training))
+            else:
+                out = self.layers[0](h, g)
+        return out
 
     def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
@@ -150,7 +158,8 @@ class GNN(nn.Module):
             return fn(*args)
         self.kept_for_recompute += [a for a in args if isinstance(a, Tensor)]
         # The recomputation runs inside g.replay(): boundary rows come from the forward pass.
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: (nullcontext(), g.replay()))
+        replay = g.replay if g is not None else nullcontext  # None: a first layer that exchanges nothing
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: (nullcontext(), replay()))
 
     def _between_layers(self, norm: nn.Module, h: Tensor) -> Tensor:
         """norm -> activation -> the next layer's input dropout; one fused pass for layer norm + ReLU."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .memory import HOLDERS
 
 REPORT_NAME = "report.json"
 PLOTS_HINT = "figures need matplotlib: pip install bnsgcn[plots]"
@@ -35,13 +36,8 @@ BALANCE = {
     "peak_cuda_allocated_bytes": ("peak device allocated", "MiB"),
     "peak_cuda_reserved_bytes": ("peak device reserved", "MiB"),
     "memory_above_baseline_bytes": ("peak above process baseline", "MiB"),
-    # the largest holders of a rank's memory (bnsgcn.memory.HOLDERS), then what backward keeps
-    "partition_bytes": ("partition tensors", "MiB"),
-    "precomputed_bytes": ("precomputed aggregation", "MiB"),
-    "adjacency_bytes": ("adjacency", "MiB"),
-    "exchange_buffer_bytes": ("exchange buffers", "MiB"),
-    "parameter_bytes": ("parameters and gradients", "MiB"),
-    "optimizer_state_bytes": ("optimizer state", "MiB"),
+    # the largest holders of a rank's memory, then what backward keeps
+    **{key: (label, "MiB") for key, label in HOLDERS.items()},
     "saved_activation_bytes": ("saved activations", "MiB"),
     "inner_nodes": ("inner nodes", ""),
     "boundary_nodes": ("boundary nodes", ""),
@@ -55,6 +51,11 @@ BALANCE = {
     "time_sampling": ("sampling time", "s"),
     "time_exchange": ("exchange time", "s"),
     "time_idle": ("idle time", "s"),
+    # when some ranks are slower: --inject-delay's sleep, waits on other ranks while
+    # averaging parameters (--sync), and the optimizer steps each rank took in the run
+    "time_injected_delay": ("injected delay", "s"),
+    "time_sync": ("waits in parameter sync", "s"),
+    "steps": ("steps done", ""),
 }
 # Where an epoch's time goes, in stacking order. Feature and gradient exchange times are
 # measured inside the forward and backward passes, so compute = pass - exchange; "other"
@@ -62,11 +63,11 @@ BALANCE = {
 # waited after the epoch.
 TIME_SPLIT = (
     "sampling", "exchange_selections", "compute_forward", "exchange_forward", "compute_backward", "exchange_backward",
-    "reduction", "evaluation", "other", "idle",
+    "reduction", "injected_delay", "sync", "evaluation", "other", "idle",
 )
 # parts of the epoch measured one after the other (reports written before selections were
 # timed apart lack that column: it counts as 0 there)
-_SEQUENTIAL = ("sampling", "exchange_selections", "forward", "backward", "reduction", "evaluation")
+_SEQUENTIAL = ("sampling", "exchange_selections", "forward", "backward", "reduction", "evaluation", "injected_delay", "sync")
 # Device memory: measured on CUDA only; elsewhere None ("-" in the table), never 0.
 DEVICE_MEMORY = ("peak_cuda_allocated_bytes", "peak_cuda_reserved_bytes")
 # The first epochs of a run compile kernels (numba, CUDA) and warm allocators: the report's
@@ -95,6 +96,8 @@ def time_split(means: dict[str, float]) -> dict[str, float]:
         "compute_backward": max(means["time_backward"] - means["time_exchange_backward"], 0.0),
         "exchange_backward": means["time_exchange_backward"],
         "reduction": means["time_reduction"],
+        "injected_delay": means.get("time_injected_delay", 0.0),
+        "sync": means.get("time_sync", 0.0),
         "evaluation": means["time_evaluation"],
         "other": max(means["epoch_time"] - measured, 0.0),
         "idle": means["time_idle"],
@@ -127,6 +130,10 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
         rank["time_sampling"] = means["time_sampling"]
         rank["time_exchange"] = sum(means.get(f"time_exchange_{d}", 0.0) for d in ("selections", "forward", "backward"))
         rank["time_idle"] = means["time_idle"]
+        if "time_sync" in means:  # reports of older releases lack these
+            rank["time_injected_delay"], rank["time_sync"] = means["time_injected_delay"], means["time_sync"]
+        if "steps_total" in figures or "steps" in means:  # the run's total; else the per-epoch median
+            rank["steps"] = figures.get("steps_total", means.get("steps"))
         rank["saved_activation_bytes"] = means["saved_activation_bytes"]
         ranks.append(rank)
     summary = {}

@@ -34,7 +34,8 @@ class Topology:
     ``send_nodes`` lists, grouped by requesting rank (``send_counts[q]`` for rank q), the
     inner rows that rank may request, in the order of its boundary nodes.
 
-    Shapes: ``indptr`` int64 [n_inner+1], ``indices`` int64 [nnz], ``degree`` float32
+    Shapes: ``indptr`` int64 [n_inner+1], ``indices`` int32 [nnz] (as the partition
+    format stores them), ``degree`` float32
     [n_inner + n_boundary] (in-degree of the graph this topology belongs to, self-loop
     included), ``send_nodes`` int64 [sum(send_counts)].
     """
@@ -77,7 +78,7 @@ class Topology:
         return Topology(
             n_inner=n_inner,
             indptr=indptr,
-            indices=new_column[self.indices[keep_edge]],
+            indices=new_column[self.indices[keep_edge]].to(self.indices.dtype),  # ids only shrink
             degree=degree,
             boundary_counts=segment_counts(keep_boundary, self.boundary_counts),
             send_nodes=new_row[self.send_nodes[keep_send]],
@@ -124,8 +125,12 @@ class Shard:
 
 
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A writable in-memory copy of a memory-mapped array."""
-    return torch.from_numpy(np.array(array)).to(dtype)
+    """The partition file's array as a ``dtype`` tensor: used in place when the file holds
+    that dtype already (a copy-on-write mapping, see :func:`bnsgcn.format.load_partition`:
+    pages are read from the file as they are touched, and a write would stay private to
+    this process), else converted into memory."""
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def load_shard(parts_dir: Path, part: int, num_ranks: int, verify: bool = False) -> Shard:
@@ -142,7 +147,7 @@ def load_shard(parts_dir: Path, part: int, num_ranks: int, verify: bool = False)
     topology = Topology(
         n_inner=n_inner,
         indptr=_tensor(arrays["adj_indptr"], torch.int64),
-        indices=_tensor(arrays["adj_indices"], torch.int64),
+        indices=_tensor(arrays["adj_indices"], torch.int32),  # the format's dtype: used in place
         degree=_tensor(arrays["degree"], torch.float32),
         boundary_counts=np.diff(arrays["boundary_offsets"]).tolist(),
         send_nodes=_tensor(arrays["send_nodes"], torch.int64),

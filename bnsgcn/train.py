@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import signal
+import time
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -38,13 +39,14 @@ from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mo
 from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
+from .paramsync import EpochTables, LocalExchange, ParameterSync, evaluates, make_sync
 from .progress import Progress
 from .provenance import launch_info, run_name_suffix
-from .reducer import GradientReducer
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
 from .stale import StaleExchange
 from .stopping import StopRequest, stop_on_signals
+from .straggler import InjectedDelay, check_flags, parse_delays, parse_sync
 
 SPLITS = ("train", "val", "test")
 
@@ -189,7 +191,8 @@ class Job:
     log: logging.Logger
     model: GNN
     optimizer: torch.optim.Optimizer
-    reducer: GradientReducer
+    sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.paramsync)
+    delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
     exchange: BoundaryExchange  # synchronous: evaluation, and training with --staleness 0
     stale: StaleExchange | None  # training with --staleness 1
     signature: dict  # what a checkpoint must agree on
@@ -219,25 +222,34 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
     comm.stats.reset()  # setup traffic is not an epoch's
     progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
     tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
+    gathered = EpochTables(comm, job.sync.decoupled)
+    started = time.perf_counter()
     last_loss = float("nan")
     for epoch in range(start_epoch, config.epochs):
         comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
         account = EpochAccount(comm.device)
         scores = None
+        # where every rank meets: every epoch, or with a decoupled --sync only before
+        # evaluations, checkpoints and the end, where parameters are averaged first
+        sync_point = job.sync.is_sync_point(epoch + 1, config.eval_every, config.checkpoint_every, config.epochs)
         with account.timed("epoch"):  # device time on CUDA (bnsgcn.timing)
             _train_epoch(job, samples, epoch, account)
-            if (config.eval_every and (epoch + 1) % config.eval_every == 0) or epoch + 1 == config.epochs:
+            if sync_point and job.sync.decoupled:
+                with account.timed("sync"):
+                    job.sync.average_all()
+            if evaluates(config.eval_every, config.epochs, epoch + 1):
                 with account.timed("evaluation"):
                     scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.exchange)
                 best.update(epoch + 1, scores, job.model)
+        account.values["elapsed"] = time.perf_counter() - started
         account.take_comm(comm)
-        table = account.gather(comm)
-        tables.append(table)
-        last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
-        _write_epoch(job, metrics, _epoch_record(epoch + 1, last_loss, table), scores)
+        for done, table in gathered.collect(epoch + 1, account, sync_point):
+            tables.append(table)
+            last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
+            _write_epoch(job, metrics, _epoch_record(done, last_loss, table), scores if done == epoch + 1 else None)
         _checkpoint(job, epoch + 1, best)
         progress.update()
-        if stop is not None and (signum := stop.agreed(comm)):
+        if stop is not None and sync_point and (signum := stop.agreed(comm)):
             _stop(job, epoch + 1, best, signum)
     progress.close()
     if job.stale is not None:
@@ -250,6 +262,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     (only for input that passed every check) the run directory and its log."""
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
+    check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     config = replace(config, exchange=resolve_mode(config.exchange, comm))  # auto -> direct or hierarchical
     shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
@@ -268,6 +281,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     exchange = BoundaryExchange(comm, rows_format, grads_format)
     return Job(
         config=config,
@@ -280,8 +294,9 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         run_dir=run_dir,
         log=log,
         model=model,
-        optimizer=torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay),
-        reducer=GradientReducer(model.parameters_in_forward_order(), comm, config.bucket_bytes),
+        optimizer=optimizer,
+        sync=make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, int(train_inputs.train_mask.sum()), global_train, config.seed, log),
+        delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
         exchange=exchange,
         stale=StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None,
         signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
@@ -341,9 +356,13 @@ class _Samples:
 def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount) -> None:
     """sample -> this epoch's graph -> forward -> loss -> backward -> reduce -> step."""
     config, inputs = job.config, job.train_inputs
+    if job.delay:  # a slow machine, emulated: its own phase, never compute
+        with account.timed("injected_delay"):
+            job.delay.sleep()
     with account.timed("sampling"):
         keep, plan = samples.draw(epoch)
-        g = inputs.graph.epoch(keep, config.p, plan, job.stale or job.exchange)
+        # at p = 0 no row travels: no per-layer all-to-all (of empty rows) holds ranks together
+        g = inputs.graph.epoch(keep, config.p, plan, LocalExchange() if config.p == 0 else job.stale or job.exchange)
     job.model.train()
     torch.manual_seed(derive_seed(config.seed, job.comm.rank, epoch, 1))  # dropout
     resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers(), *(job.stale.buffers() if job.stale else [])]  # noqa: E731 (held anyway)
@@ -355,10 +374,13 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
     with account.timed("backward"):
         (loss_sum / job.global_train).backward()
     with account.timed("reduction"):
-        job.reducer.finish()
+        job.sync.finish()
     job.optimizer.step()
+    if job.sync.decoupled:
+        with account.timed("sync"):
+            job.sync.after_step(epoch)
     # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
-    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received)
+    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
 
 
 def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: dict[str, float] | None) -> None:
@@ -413,11 +435,13 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
         partition=[shard.features, shard.labels, shard.train_mask, shard.val_mask, shard.test_mask, topo.indptr, topo.indices, topo.degree, topo.send_nodes],
         precomputed=[evaluate.x_agg, train.x_agg],
         adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []),
-        exchange_buffers=job.exchange.buffers() + (job.stale.buffers() if job.stale is not None else []),
+        exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
         optimizer_state=memory.optimizer_state_tensors(job.optimizer),
     )
     figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss))
+    steps = torch.stack(tables)[:, :, INDEX["steps"]].sum(0).tolist() if tables else [0.0] * comm.world_size
+    figures = [f | {"steps_total": int(n)} for f, n in zip(figures, steps)]  # optimizer steps each rank took in this run
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
     if metrics is not None:
         per_epoch, steady = report.steady_state(tables) if tables else (torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64), None)
@@ -486,6 +510,19 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
             "reduction": float(col("time_reduction").max()),
             "evaluation": float(col("time_evaluation").max()),
             "idle": float(col("time_idle").max()),
+            "injected_delay": float(col("time_injected_delay").max()),
+            "sync": float(col("time_sync").max()),
+            # wall seconds since the run's first epoch began, when the last rank ended this
+            # one: with a decoupled --sync the sum of "epoch" (the slowest rank's, per epoch)
+            # overstates the run's time, as ranks are slowest at different epochs
+            "elapsed": float(col("elapsed").max()),
+        },
+        # per rank (index = rank): where ranks differ when some are slower (--inject-delay, --sync)
+        "per_rank": {
+            "steps": [int(v) for v in col("steps").tolist()],
+            "injected_delay": col("time_injected_delay").tolist(),
+            "sync": col("time_sync").tolist(),
+            "idle": col("time_idle").tolist(),
         },
         "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
         "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),
@@ -504,5 +541,6 @@ def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchang
     keep = torch.ones(inputs.topology.n_boundary, dtype=torch.bool)
     g = inputs.graph.epoch(keep, 1.0, inputs.planner.full(), exchange, traffic="evaluation")
     logits = model(inputs.features, g, inputs.x_agg)
+    exchange.release()  # sized for every boundary row: training with p < 1 needs far less
     counts = comm.all_reduce(_score_counts(logits, shard)).cpu()  # the scores: one read
     return _scores(counts, shard.multilabel)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, from_args
+from bnsgcn.straggler import check_flags as check_straggler_flags
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
 
@@ -167,6 +168,7 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     device = resolve_device(device, local)
     world_size = local * args.nnodes
     check_world_size(partition_set, world_size)
+    check_straggler_flags(config, world_size)
 
     nodes = slurm_nodes(os.environ) if in_slurm_step(os.environ) else None
     master_addr = args.master_addr or (nodes[0] if nodes and args.nnodes > 1 else "127.0.0.1")
@@ -226,6 +228,7 @@ def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: 
     if config.parts_dir is None and ranks.rank == 0:
         announce(partition_set, search_root)
     check_world_size(partition_set, ranks.world_size)
+    check_straggler_flags(config, ranks.world_size)
     check_master_address(ranks.master_addr)
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
     if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):

@@ -47,6 +47,7 @@ SITES = {
     "hierarchy.NodeAwarePlanner._plan:tolist": "host",
     "hierarchy._delegates:__setitem__": "host",
     "stale.StaleExchange.prepare:nonzero": "host",
+    "kernels.backend.draw_seed:__int__": "host",  # a dropout seed drawn on the CPU (RecomputedDropout)
     "train._train:__float__": "host",
     "train._epoch_record:__float__": "host",
     "train._epoch_record:__int__": "host",

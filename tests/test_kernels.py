@@ -185,7 +185,7 @@ def test_numba_spmm_kernel_accepts_int64_indices():
 
     dense, adj = make_case(20, 25, True, torch.float32)
     x = torch.randn(25, 6)
-    y = numba_backend._spmm_csr(adj.indptr, adj.indices.long(), adj.values, x, adj.n_rows)
+    y = numba_backend._spmm_csr(adj.indptr, adj.indices.long(), adj.values, None, None, x, adj.n_rows)
     torch.testing.assert_close(y, dense @ x)
 
 
@@ -233,6 +233,34 @@ def test_with_values_shares_transpose_and_uses_new_values(backend):
     torch.testing.assert_close(spmm(adj.with_values(None), x), (dense != 0).double() @ x)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("sides", ["row", "column", "both"])
+def test_degree_scales_act_as_diagonal_factors(backend, weighted, sides):
+    """``A = diag(r) P diag(c)``: products, the transposed product (gradient), the in-place
+    add, column selection and extra column scaling all equal the dense product, and nothing
+    is stored per entry for the scales."""
+    dense, pattern = make_case(30, 45, weighted, torch.float64, seed=5)
+    g = torch.Generator().manual_seed(6)
+    r = torch.rand(30, generator=g, dtype=torch.float64) + 0.5 if sides in ("row", "both") else None
+    c = torch.rand(45, generator=g, dtype=torch.float64) + 0.5 if sides in ("column", "both") else None
+    adj = Adjacency.from_csr(pattern.indptr, pattern.indices, 45, pattern.values, row_scale=r, col_scale=c)
+    scaled = (dense if r is None else r[:, None] * dense) * (1 if c is None else c[None, :])
+    numel = lambda m: sum(t.numel() for t in m.tensors() if t is not None)  # noqa: E731
+    assert numel(adj) == numel(pattern) + (0 if r is None else 30) + (0 if c is None else 45)  # O(n), not per entry
+    x = torch.randn(45, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(spmm(adj, x), scaled @ x)
+    assert torch.autograd.gradcheck(lambda x: spmm(adj, x), (x,))
+    base = torch.randn(30, 5, dtype=torch.float64)
+    torch.testing.assert_close(spmm_add_(base.clone(), adj, x.detach()), base + scaled @ x.detach())
+    keep = torch.rand(45, generator=g) < 0.5
+    keep[0] = True
+    kept_nnz = int((dense[:, keep] != 0).sum())
+    for sizes in (None, (int(keep.sum()), kept_nnz)):
+        sub = adj.select_columns(keep, sizes).scale_columns(3.0)
+        torch.testing.assert_close(spmm(sub, x.detach()[keep]), 3.0 * scaled[:, keep] @ x.detach()[keep])
+        assert sub.row_scale is adj.row_scale and sub.col_scale.shape == (int(keep.sum()),)
+
+
 @pytest.mark.parametrize(
     "indptr, indices, n_cols, message",
     [
@@ -246,6 +274,13 @@ def test_from_csr_rejects_bad_input(indptr, indices, n_cols, message):
     # the engine's own input (load_shard checked the files): a bug, not a user error
     with pytest.raises(ValueError, match=message):
         Adjacency.from_csr(torch.tensor(indptr), torch.tensor(indices), n_cols)
+
+
+def test_from_csr_rejects_scales_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="row_scale must be a float tensor of shape \\[2\\]"):
+        Adjacency.from_csr(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), 3, row_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="col_scale must be a float tensor of shape \\[3\\]"):
+        Adjacency.from_csr(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), 3, col_scale=torch.ones(2, dtype=torch.int64))
 
 
 def test_unknown_backend_is_a_user_error(monkeypatch):
@@ -374,6 +409,37 @@ def test_dropout_is_seeded_and_off_outside_training(backend):
     assert not torch.equal(first, dropout(x, 0.5, training=True))
     assert dropout(x, 0.5, training=False) is x
     assert dropout(x, 0.0, training=True) is x
+
+
+def test_recomputed_dropout_keeps_no_activation_and_gives_the_same_gradients(backend):
+    """An operation saving a RecomputedDropout output keeps x and a seed instead: the
+    output is not kept alive, and the weight gradient is the one the kept output gives
+    (the mask redrawn from the seed is the same); on numba the mask is dropout()'s."""
+    import weakref
+
+    from bnsgcn.kernels import RecomputedDropout
+
+    x = torch.randn(300, 24)
+    lin = torch.nn.Linear(24, 5)
+    torch.manual_seed(4)
+    recomputed = RecomputedDropout()
+    out = recomputed(x, 0.5, True)
+    reference = out.clone()
+    with recomputed.saving_recipes():
+        y = lin(out)
+    alive = weakref.ref(out)
+    del out
+    assert alive() is None, "the dropout output was kept for backward"
+    y.square().sum().backward()
+    got = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin(reference).square().sum().backward()
+    torch.testing.assert_close(got, lin.weight.grad)
+    if backend != "torch":
+        torch.manual_seed(4)
+        torch.testing.assert_close(reference, dropout(x, 0.5, True))
+    with pytest.raises(ValueError, match="need no gradient"):
+        recomputed(x.requires_grad_(), 0.5, True)
 
 
 def test_numba_kernels_leave_torch_thread_count_alone():

@@ -82,8 +82,8 @@ def test_gcn_with_precomputed_aggregation_draws_no_input_mask(monkeypatch):
     from bnsgcn.config import TrainConfig
 
     masked: list[torch.Tensor] = []
-    real = model_module.dropout
-    monkeypatch.setattr(model_module, "dropout", lambda t, p, training: masked.append(t) or real(t, p, training))
+    real = model_module.RecomputedDropout.__call__  # the input dropout of layer 0
+    monkeypatch.setattr(model_module.RecomputedDropout, "__call__", lambda self, t, p, training: masked.append(t) or real(self, t, p, training))
     x, x_agg = torch.randn(5, 4), torch.randn(5, 4)
     for name, reads_x in (("gcn", False), ("graphsage", True)):
         masked.clear()

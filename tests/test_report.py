@@ -14,6 +14,7 @@ from bnsgcn import report
 from bnsgcn.accounting import COLUMNS
 from bnsgcn.config import TrainConfig
 from bnsgcn.format import load_partition
+from bnsgcn.memory import HOLDERS
 
 from .distributed import partition, random_graph, run_ranks
 
@@ -24,8 +25,8 @@ FLOAT = 4  # bytes per float32 value
 def _static(rank: int, inner: int, boundary: int, peak_mib: float, baseline_mib: float) -> dict:
     return {
         "rank": rank, "host": "h", "device": "cpu", "inner_nodes": inner, "boundary_nodes": boundary, "edges": 10 * inner,
-        "partition_bytes": inner * 1000, "peak_rss_bytes": int(peak_mib * MiB), "baseline_rss_bytes": int(baseline_mib * MiB),
-    }
+        "peak_rss_bytes": int(peak_mib * MiB), "baseline_rss_bytes": int(baseline_mib * MiB),
+    } | {key: inner * 1000 * (i + 1) for i, key in enumerate(HOLDERS)}
 
 
 def _per_epoch(rows: list[dict]) -> torch.Tensor:
@@ -91,6 +92,9 @@ def test_table_shows_every_rank_and_the_straggler():
     assert row.split()[1:] == ["1.50", "0.50", "0.10", "1.50", "0.70", "0.10", "2.14", "rank", "0"]
     row = next(line for line in lines if line.startswith("peak memory (MiB)"))
     assert row.split()[3:6] == ["3.0", "1.0", "2.0"]
+    # the holders of a rank's memory, each a row, in the order of bnsgcn.memory.HOLDERS
+    holder_rows = [next(i for i, line in enumerate(lines) if line.startswith(f"{label} (MiB)")) for label in HOLDERS.values()]
+    assert holder_rows == sorted(holder_rows)
 
 
 def test_compare_gives_changes_in_percent():
@@ -177,6 +181,16 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
         # the median of the steady epochs: the first is left out as warm-up, the second evaluates
         assert e["sent_evaluation"] == requested[r] * width_forward * FLOAT
         assert rank["peak_memory_bytes"] > rank["partition_bytes"] > 0 and e["saved_activation_bytes"] > 0
+        # the holders, by hand: GraphSAGE's inner and boundary adjacency hold per entry a
+        # column id, a row id and an entry id (int32) and nothing else: the mean is one
+        # float32 row scale 1/deg [n_inner], shared; int64 row pointers forward and
+        # transposed (the boundary one also its entries per column)
+        n, nb, nnz = rank["inner_nodes"], rank["boundary_nodes"], rank["edges"]
+        assert rank["adjacency_bytes"] == 12 * nnz + 4 * n + 8 * (3 * (n + 1) + (nb + 1) + nb)
+        params = [p.numel() for p in _sage_parameters(features, hidden, classes)]
+        assert rank["parameter_bytes"] == 2 * FLOAT * sum(params)  # values and gradients
+        assert rank["optimizer_state_bytes"] == 2 * FLOAT * sum(params) + FLOAT * len(params)  # Adam: two moments and a step each
+        assert rank["precomputed_bytes"] == 0 and rank["exchange_buffer_bytes"] > 0
         assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
     total_features = sum(r["per_epoch"]["sent_features"] for r in full["ranks"])
     assert total_features == sum(boundary) * width_forward * FLOAT
@@ -200,6 +214,12 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
     assert str(tmp_path / "p0.5") in out.splitlines()[0]
     drawn = (tmp_path / "p0.5" / "time.png").is_file() and (tmp_path / "p1.0" / "memory.png").is_file()
     assert drawn == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def _sage_parameters(features: int, hidden: int, classes: int) -> list[torch.Tensor]:
+    """The parameters of a 2-layer GraphSAGE with layer norm between the layers."""
+    shapes = [(hidden, features), (hidden,), (hidden, features), (hidden,), (hidden,), (classes, hidden), (classes,), (classes, hidden)]
+    return [torch.empty(s) for s in shapes]
 
 
 def test_benchmark_suite_plans_every_run(capsys):

@@ -20,7 +20,7 @@ from bnsgcn.train import _score_counts, _scores
 from . import reference
 from .distributed import partition, random_graph, run_ranks
 
-TIME_KEYS = {"epoch", "sampling", "exchange", "compute", "reduction", "evaluation", "idle"}
+TIME_KEYS = {"epoch", "sampling", "exchange", "compute", "reduction", "evaluation", "idle", "injected_delay", "sync", "elapsed"}
 SCORE_KEYS = {"train_score", "val_score", "test_score"}
 
 

@@ -20,9 +20,9 @@ CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse`
 
 from .adjacency import Adjacency
 from .backend import ENV_VAR, kernel_backend
-from .dropout import dropout
+from .dropout import RecomputedDropout, dropout
 from .gat import gat_aggregate
 from .layer_norm import layer_norm_relu_dropout
 from .spmm import spmm, spmm_add_
 
-__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "layer_norm_relu_dropout", "kernel_backend", "ENV_VAR"]
+__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "RecomputedDropout", "layer_norm_relu_dropout", "kernel_backend", "ENV_VAR"]

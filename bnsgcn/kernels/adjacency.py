@@ -39,8 +39,14 @@ def csr_problem(indptr: Tensor, indices: Tensor, n_cols: int) -> str | None:
 class Adjacency:
     r"""Sparse matrix :math:`A \in \mathbb{R}^{n_{rows} \times n_{cols}}` in CSR with its transpose.
 
-    Forward CSR: ``indptr`` int64 ``[n_rows + 1]``, ``indices`` ``[nnz]`` (column ids, ascending
-    within a row), ``values`` float ``[nnz]`` or ``None`` (every stored entry is 1).
+    .. math:: A = \operatorname{diag}(r)\, P\, \operatorname{diag}(c)
+
+    Forward CSR of the pattern :math:`P`: ``indptr`` int64 ``[n_rows + 1]``, ``indices``
+    ``[nnz]`` (column ids, ascending within a row), ``values`` float ``[nnz]`` or ``None``
+    (every stored entry is 1). ``row_scale`` :math:`r` float ``[n_rows]`` and ``col_scale``
+    :math:`c` float ``[n_cols]``, each ``None`` for all ones, carry a normalisation by node
+    degrees (``1/deg(v)``; ``deg^{-1/2}`` on both sides) in O(n) instead of a value per entry:
+    the kernels apply them as they go (:func:`~bnsgcn.kernels.spmm`).
 
     Transposed CSR (built once by :meth:`from_csr`, never at run time): ``t_indptr`` int64
     ``[n_cols + 1]``, ``t_indices`` ``[nnz]`` (row ids, ascending within a column), ``t_edge``
@@ -51,7 +57,7 @@ class Adjacency:
     memory-bound, and 4-byte indices cut the bytes they read.
     """
 
-    __slots__ = ("indptr", "indices", "values", "t_indptr", "t_indices", "t_edge", "t_values", "n_rows", "n_cols")
+    __slots__ = ("indptr", "indices", "values", "t_indptr", "t_indices", "t_edge", "t_values", "n_rows", "n_cols", "row_scale", "col_scale")
 
     def __init__(
         self,
@@ -63,6 +69,8 @@ class Adjacency:
         t_edge: Tensor,
         t_values: Tensor | None,
         n_cols: int,
+        row_scale: Tensor | None = None,
+        col_scale: Tensor | None = None,
     ) -> None:
         """Wrap already consistent tensors; use :meth:`from_csr` to build from user data."""
         self.indptr = indptr
@@ -74,9 +82,13 @@ class Adjacency:
         self.t_values = t_values
         self.n_rows = indptr.numel() - 1
         self.n_cols = n_cols
+        self.row_scale = row_scale
+        self.col_scale = col_scale
 
     @classmethod
-    def from_csr(cls, indptr: Tensor, indices: Tensor, n_cols: int, values: Tensor | None = None) -> Adjacency:
+    def from_csr(
+        cls, indptr: Tensor, indices: Tensor, n_cols: int, values: Tensor | None = None, row_scale: Tensor | None = None, col_scale: Tensor | None = None
+    ) -> Adjacency:
         """Validate a CSR matrix and build its transpose (O(nnz log nnz), once)."""
         indptr = torch.as_tensor(indptr)
         indices = torch.as_tensor(indices)
@@ -91,6 +103,9 @@ class Adjacency:
             values = torch.as_tensor(values)
             if values.shape != (nnz,) or not values.is_floating_point():
                 raise ValueError(f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array")
+        for name, scale, size in (("row_scale", row_scale, indptr.numel() - 1), ("col_scale", col_scale, n_cols)):
+            if scale is not None and (scale.shape != (size,) or not scale.is_floating_point()):
+                raise ValueError(f"{name} must be a float tensor of shape [{size}] or None; fix the scale vector")
 
         indices = _compact_index(indices, max(n_cols, indptr.numel()))
         # Stable sort keeps the row-major order inside each column: rows stay ascending there.
@@ -101,7 +116,7 @@ class Adjacency:
         t_edge = _compact_index(t_edge, nnz)
         t_indices = rows[t_edge].to(indices.dtype)
         t_values = None if values is None else values[t_edge]
-        return cls(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
+        return cls(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols, row_scale, col_scale)
 
     @property
     def nnz(self) -> int:
@@ -109,7 +124,7 @@ class Adjacency:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """Every tensor this matrix holds (for memory accounting; ``None`` where absent)."""
-        return (self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values)
+        return (self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values, self.row_scale, self.col_scale)
 
     @property
     def device(self) -> torch.device:
@@ -121,7 +136,14 @@ class Adjacency:
             raise ValueError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
         t_values = None if values is None else values[self.t_edge]
         return Adjacency(
-            self.indptr, self.indices, values, self.t_indptr, self.t_indices, self.t_edge, t_values, self.n_cols
+            self.indptr, self.indices, values, self.t_indptr, self.t_indices, self.t_edge, t_values, self.n_cols, self.row_scale, self.col_scale
+        )
+
+    def scale_columns(self, factor: float) -> Adjacency:
+        """``A diag(factor)``: the same matrix with every column scaled (O(n_cols), nothing per entry)."""
+        col_scale = torch.full((self.n_cols,), factor, device=self.device) if self.col_scale is None else self.col_scale * factor
+        return Adjacency(
+            self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values, self.n_cols, self.row_scale, col_scale
         )
 
     def select_columns(self, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
@@ -134,7 +156,14 @@ class Adjacency:
         """
         if keep.shape != (self.n_cols,) or keep.dtype != torch.bool:
             raise ValueError(f"keep must be a bool tensor of shape [n_cols={self.n_cols}]; build it as a column mask")
-        return kernel_backend(self.device).select_columns(self, keep.to(self.device, non_blocking=True), sizes)
+        keep = keep.to(self.device, non_blocking=True)
+        kept = kernel_backend(self.device).select_columns(self, keep, sizes)
+        kept.row_scale = self.row_scale
+        if self.col_scale is not None:  # the kept columns' scales, in order (sizes known: no device read)
+            from .torch_backend import _compact
+
+            kept.col_scale = self.col_scale[keep] if sizes is None else _compact(self.col_scale, keep, torch.cumsum(keep, 0) - 1, sizes[0])
+        return kept
 
     def to(self, device: torch.device | str) -> Adjacency:
         """Copy of every tensor on ``device``."""
@@ -151,8 +180,11 @@ class Adjacency:
             move(self.t_edge),
             move(self.t_values),
             self.n_cols,
+            move(self.row_scale),
+            move(self.col_scale),
         )
 
     def __repr__(self) -> str:
         weighted = "weighted" if self.values is not None else "unweighted"
+        weighted += "".join(f", {side} scaled" for side, s in (("row", self.row_scale), ("column", self.col_scale)) if s is not None)
         return f"Adjacency({self.n_rows} x {self.n_cols}, nnz={self.nnz}, {weighted}, {self.device})"

@@ -29,3 +29,9 @@ def kernel_backend(device: torch.device) -> ModuleType:
     from . import numba_backend
 
     return numba_backend
+
+
+def draw_seed() -> int:
+    """A seed for a kernel's own random bits, drawn from torch's generator (so runs repeat
+    under ``torch.manual_seed``)."""
+    return int(torch.randint(0, 2**62, (1,)))

@@ -11,12 +11,15 @@ same pass; the torch backend draws them with ``random_``. Both are reproducible 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .backend import kernel_backend
+from .backend import draw_seed, kernel_backend
 
 LEVELS = 1 << 16  # distinct 16-bit draws: keep when bits >= round(p * LEVELS)
 
@@ -48,3 +51,59 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     if x.device.type != "cpu":
         return F.dropout(x, p, True)
     return _Dropout.apply(x, p)
+
+
+class RecomputedDropout:
+    r"""Dropout of tensors that need no gradient, whose outputs autograd does not keep.
+
+    A layer's weight gradient needs its input, here :math:`x \odot m / (1 - p)`
+    [n, d]; keeping it costs an activation. Inside :meth:`saving_recipes`, an operation that
+    saves an output of :meth:`__call__` for backward keeps its recipe instead: ``x``, which
+    the caller holds anyway, and the seed of the mask's random bits (both backends draw the
+    same mask again from the same seed); backward redraws the mask and recomputes the
+    product when it unpacks it, one elementwise pass. Nothing of size [n, d] is kept.
+    On the numba backend the masks are those of :func:`dropout` (the seed is drawn from
+    torch's generator alike). ``x`` must not require grad (the input features, the
+    precomputed aggregation).
+    """
+
+    def __init__(self) -> None:
+        # data_ptr of an output -> (output, recipe); the output is held here only while the
+        # context is open, so no other tensor can take its address meanwhile
+        self._recipes: dict[int, tuple[Tensor, tuple[Tensor, int, float, int]]] = {}
+
+    def __call__(self, x: Tensor, p: float, training: bool) -> Tensor:
+        """:func:`dropout` of ``x`` [n, d]."""
+        if not training or p == 0.0:
+            return x
+        if x.requires_grad:
+            raise ValueError("RecomputedDropout is for inputs that need no gradient; use dropout()")
+        recipe = (x.contiguous(), round(p * LEVELS), 1.0 / (1.0 - p), draw_seed())
+        out = _redraw(recipe)
+        self._recipes[out.data_ptr()] = (out, recipe)
+        return out
+
+    @contextmanager
+    def saving_recipes(self) -> Iterator[None]:
+        """Operations run here that save an output of this dropout keep its recipe."""
+
+        def pack(t: Tensor) -> Tensor | tuple[Tensor, int, float, int]:
+            entry = self._recipes.get(t.data_ptr())
+            if entry is not None and entry[0].shape == t.shape and entry[0].stride() == t.stride():
+                return entry[1]
+            return t
+
+        def unpack(saved: Tensor | tuple[Tensor, int, float, int]) -> Tensor:
+            return saved if isinstance(saved, Tensor) else _redraw(saved)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._recipes = {}  # releases the outputs: packed recipes hold only x and a seed
+
+
+def _redraw(recipe: tuple[Tensor, int, float, int]) -> Tensor:
+    """``x * keep * scale`` with the mask of ``seed``."""
+    x, threshold, scale, seed = recipe
+    return kernel_backend(x.device).dropout(x, threshold, scale, seed)[0]

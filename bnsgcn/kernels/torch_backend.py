@@ -77,9 +77,21 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
 
 
+def _scaled_values(values: Tensor | None, indptr: Tensor, indices: Tensor, row_scale: Tensor | None, col_scale: Tensor | None, n_rows: int, like: Tensor) -> Tensor:
+    """Per entry ``r_v * values[e] * c_u`` [nnz] (a temporary: cuSPARSE takes values per entry)."""
+    values = _values_or_ones(values, indices.numel(), like)
+    if row_scale is not None:
+        rows = torch.repeat_interleave(torch.arange(n_rows, device=like.device), indptr.diff(), output_size=indices.numel())
+        values = values * row_scale.to(like.dtype)[rows]
+    if col_scale is not None:
+        values = values * col_scale.to(like.dtype)[indices]
+    return values
+
+
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     """``A x``: ``x [n_cols, d] -> [n_rows, d]``."""
-    a = _csr_tensor(adj.indptr, adj.indices, _values_or_ones(adj.values, adj.nnz, x), (adj.n_rows, adj.n_cols))
+    values = _scaled_values(adj.values, adj.indptr, adj.indices, adj.row_scale, adj.col_scale, adj.n_rows, x)
+    a = _csr_tensor(adj.indptr, adj.indices, values, (adj.n_rows, adj.n_cols))
     return torch.sparse.mm(a, x)
 
 
@@ -90,7 +102,8 @@ def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
 
 def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     """``A^T y`` through the prebuilt transposed CSR: ``y [n_rows, d] -> [n_cols, d]``."""
-    a_t = _csr_tensor(adj.t_indptr, adj.t_indices, _values_or_ones(adj.t_values, adj.nnz, y), (adj.n_cols, adj.n_rows))
+    values = _scaled_values(adj.t_values, adj.t_indptr, adj.t_indices, adj.col_scale, adj.row_scale, adj.n_cols, y)
+    a_t = _csr_tensor(adj.t_indptr, adj.t_indices, values, (adj.n_cols, adj.n_rows))
     return torch.sparse.mm(a_t, y)
 
 
@@ -167,11 +180,13 @@ def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generat
     return scaled.floor_().clamp_(0, levels).to(torch.uint8)
 
 
-def dropout(x: Tensor, threshold: int, scale: float) -> tuple[Tensor, Tensor]:
+def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None) -> tuple[Tensor, Tensor]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, the bits
-    drawn as 64-bit words from torch's generator."""
+    drawn as 64-bit words from torch's generator, or from a generator seeded with ``seed``
+    (the same mask for the same seed and shape)."""
     n = x.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    generator = None if seed is None else torch.Generator(device=x.device).manual_seed(seed)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None, generator=generator)
     bits = words.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
     keep = bits >= threshold - 2**15
     return (x * keep).mul_(scale), keep
