@@ -55,11 +55,20 @@ def pids_in(text: str) -> list[int]:
     return [int(p) for p in re.findall(r"^pid (\d+)$", text, flags=re.MULTILINE)]
 
 
-def is_gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, awaiting its reaper
-    except psutil.NoSuchProcess:
-        return True
+def is_gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether ``pid`` is dead (or a zombie awaiting its reaper) within ``within_s``: a
+    grandchild sent SIGKILL with its process group may take a moment to die on a loaded
+    machine, as nobody waits for it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def run_supervised(children: list[Child], grace_s: float = 5.0) -> tuple[int, str, str, float]:
