@@ -209,20 +209,28 @@ def test_rank_killed_by_sigkill_ends_the_job_naming_it(tmp_path, parts):
     assert_all_gone(processes, run_dir)
 
 
-def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
-    timeout_s = 5
-    run_dir = tmp_path / "run"
-    args = train_args(parts, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s))
+def run_with_rank_one_hung(tmp_path: Path, args: list[str], timeout_s: float) -> tuple[subprocess.Popen, list[psutil.Process], float]:
+    """Start the job, suspend rank 1 (SIGSTOP: alive but silent, as a hung rank) after the
+    first epoch; return the ended job, its processes and seconds from the suspension to its end."""
+    run_dir = Path(args[args.index("--out") + 1])
     job = start([*TRAIN, *args], tmp_path, "job")
     try:
         wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
         processes = descendants(job.pid)
-        rank_process(processes, 1).suspend()  # SIGSTOP: alive but silent, as a hung rank
+        rank_process(processes, 1).suspend()
         stopped_at = time.monotonic()
         job.wait(timeout_s + 60)
         elapsed = time.monotonic() - stopped_at
     finally:
         kill_job(job)
+    return job, processes, elapsed
+
+
+def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
+    timeout_s = 5
+    run_dir = tmp_path / "run"
+    args = train_args(parts, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s))
+    job, processes, elapsed = run_with_rank_one_hung(tmp_path, args, timeout_s)
     # Rank 0 gives up after --timeout; then the settle and SIGTERM grace periods (2 + 5 s).
     assert timeout_s <= elapsed < timeout_s + 25, elapsed
     assert job.returncode == 4  # rank 0 lost its peer

@@ -38,7 +38,7 @@ from bnsgcn.straggler import InjectedDelay, check_world, parse_delays, parse_syn
 
 from .distributed import SHARED_DATA, free_port, partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, last_epoch, rank_process, start, stderr_of, train_args, wait_for
+from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, last_epoch, rank_process, run_with_rank_one_hung, start, stderr_of, train_args, wait_for
 
 MODES = ("grouped:2", "partial:2", "gossip:1")
 
@@ -297,16 +297,7 @@ def test_hung_rank_in_a_store_round_is_named(tmp_path, parts2, mode):
     run_dir = tmp_path / "run"
     # between evaluations (every 50 epochs) ranks meet only in the store's rounds
     args = train_args(parts2, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s), "--p", "0", "--sync", mode, "--eval-every", "50")
-    job = start([*TRAIN, *args], tmp_path, "job")
-    try:
-        wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
-        processes = descendants(job.pid)
-        rank_process(processes, 1).suspend()  # SIGSTOP: alive but silent, as a hung rank
-        stopped_at = time.monotonic()
-        job.wait(timeout_s + 60)
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        kill_job(job)
+    job, processes, elapsed = run_with_rank_one_hung(tmp_path, args, timeout_s)
     assert timeout_s <= elapsed < timeout_s + 25, elapsed
     assert job.returncode == 4
     last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
