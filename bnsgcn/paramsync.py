@@ -65,6 +65,11 @@ def evaluates(eval_every: int, epochs: int, epoch: int) -> bool:
     return bool(eval_every and epoch % eval_every == 0) or epoch == epochs
 
 
+def checkpoints(checkpoint_every: int, epoch: int) -> bool:
+    """Whether the job writes a checkpoint after ``epoch`` (1-based) on its schedule."""
+    return bool(checkpoint_every and epoch % checkpoint_every == 0)
+
+
 class ParameterSync:
     """``--sync allreduce``: the bucketed gradient all-reduce, nothing else."""
 
@@ -136,7 +141,7 @@ class Decoupled(ParameterSync):
         self.load(flat / self.comm.world_size)
 
     def is_sync_point(self, epoch: int, eval_every: int, checkpoint_every: int, epochs: int) -> bool:
-        return evaluates(eval_every, epochs, epoch) or bool(checkpoint_every and epoch % checkpoint_every == 0)
+        return evaluates(eval_every, epochs, epoch) or checkpoints(checkpoint_every, epoch)
 
     def _lost(self, what: str) -> PeerLost:
         """A wait on other ranks ran past --timeout: name the rank that stopped, if known."""

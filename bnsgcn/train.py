@@ -39,7 +39,7 @@ from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mo
 from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
-from .paramsync import EpochTables, LocalExchange, ParameterSync, evaluates, make_sync
+from .paramsync import EpochTables, LocalExchange, ParameterSync, checkpoints, evaluates, make_sync
 from .progress import Progress
 from .provenance import launch_info, run_name_suffix
 from .sampler import derive_seed, sample_boundary
@@ -269,7 +269,8 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     topo = shard.topology
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
     train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
-    global_train = int(comm.all_reduce(torch.tensor([float(train_inputs.train_mask.sum())], device=comm.device))[0])
+    local_train = int(train_inputs.train_index.numel())
+    global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
     run_dir = _resolve_run_dir(config, comm)
@@ -295,7 +296,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         log=log,
         model=model,
         optimizer=optimizer,
-        sync=make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, int(train_inputs.train_mask.sum()), global_train, config.seed, log),
+        sync=make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, local_train, global_train, config.seed, log),
         delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
         exchange=exchange,
         stale=StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None,
@@ -398,7 +399,7 @@ def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: 
 def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
     """Every rank, after ``epoch``, on a stop signal: checkpoint this epoch (unless the
     schedule just did), then end the job (:mod:`bnsgcn.stopping`)."""
-    if epoch % job.config.checkpoint_every:
+    if not checkpoints(job.config.checkpoint_every, epoch):
         _checkpoint(job, epoch, best, now=True)
     name = signal.Signals(signum).name
     raise JobStopped(
@@ -413,14 +414,15 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
     config, comm = job.config, job.comm
     if not config.checkpoint_every:
         return
-    if now or epoch % config.checkpoint_every == 0:
-        if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
-            job.stale.drain()
-            checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
-            comm.barrier()
-        if comm.rank == 0:
-            state = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(), "best": dict(vars(best)), "signature": job.signature}
-            checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
+    if not (now or checkpoints(config.checkpoint_every, epoch)):
+        return  # no barrier either: with a decoupled --sync, ranks meet only at sync points
+    if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
+        job.stale.drain()
+        checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
+        comm.barrier()
+    if comm.rank == 0:
+        state = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(), "best": dict(vars(best)), "signature": job.signature}
+        checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
 
