@@ -62,7 +62,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor an optimizer keeps per parameter (Adam: step, exp_avg, exp_avg_sq)."""
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 

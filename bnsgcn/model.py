@@ -8,12 +8,12 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import TrainConfig
 from .graph import EpochGraph
 from .kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
 from .layers import GATConv, GCNConv, SAGEConv
+from .recompute import recomputed
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -72,7 +72,7 @@ class GNN(nn.Module):
     no gradient, so backward keeps their masks and recomputes ``dropout(x)`` and
     ``dropout(x_agg)`` [n_inner, F] for the weight gradients (one elementwise pass each)
     instead of keeping them. Further, the forward pass runs as *segments*, each a
-    :func:`torch.utils.checkpoint.checkpoint`: a segment keeps only its input and recomputes
+    :func:`bnsgcn.recompute.recomputed`: a segment keeps only its input and recomputes
     its inside in backward (dropout masks too: the random state is restored). Always, a
     layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
     output layer, [n_inner, hidden] -> [n_inner, classes]) is one segment with the norm
@@ -159,7 +159,7 @@ class GNN(nn.Module):
         self.kept_for_recompute += [a for a in args if isinstance(a, Tensor)]
         # The recomputation runs inside g.replay(): boundary rows come from the forward pass.
         replay = g.replay if g is not None else nullcontext  # None: a first layer that exchanges nothing
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: (nullcontext(), replay()))
+        return recomputed(fn, *args, replay=replay)
 
     def _between_layers(self, norm: nn.Module, h: Tensor) -> Tensor:
         """norm -> activation -> the next layer's input dropout; one fused pass for layer norm + ReLU."""
