@@ -39,6 +39,10 @@ COLUMNS = (
     # steps: optimizer steps this rank took; elapsed: seconds since the run's first epoch
     # began, at this epoch's end (with a decoupled --sync, ranks end an epoch at different times)
     + ("saved_activation_bytes", "steps", "elapsed")
+    # --max-lag (bnsgcn.lag): the most epochs behind of any rows or gradients this rank used
+    # in the epoch, and the seconds it waited because they would have been older than allowed
+    # (a part of the exchange times, not a phase of its own)
+    + ("lag", "time_lag_wait")
 )
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from .compress import FORMATS as WIRE_FORMATS
 from .device import DEVICES
 from . import straggler
+from .lag import check_config as check_max_lag
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
@@ -69,6 +70,13 @@ class TrainConfig:
         None, "with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the stale rows and gradients",
         type=float, metavar="GAMMA", shown="off",
     )
+    max_lag: int | None = _setting(
+        None,
+        "with --staleness 1: a rank may run up to S epochs ahead of the ranks it shares boundary nodes with; rows and "
+        "gradients travel point to point as their owners produce them, each rank uses the newest version at most S epochs "
+        "old and waits only when it would exceed that (1: --staleness 1 itself); pair it with a decoupled --sync",
+        type=int, metavar="S", shown="off",
+    )
     sync: str = _setting(
         "allreduce",
         "allreduce | grouped:G[:N] | partial:P | gossip:K: how ranks keep parameters together when some are slower; "
@@ -81,6 +89,11 @@ class TrainConfig:
     inject_delay: str | None = _setting(
         None, "testing aid: rank R sleeps S seconds every epoch, or a seeded uniform draw in LO-HI, e.g. 0:0.8,3:0.4-0.45; "
         "reported as injected delay, not compute", type=str, metavar="R:S[,R:LO-HI...]", shown="none",
+    )
+    work_pool: bool = _setting(
+        False, "with --p 0 and a partition set of more parts than ranks: ranks take partitions from a pool in the job's "
+        "store, one step each, until every partition had its step this epoch; fast ranks take more (--inject-delay "
+        "then delays every step)",
     )
     bucket_mb: float = _setting(1.0, "MiB of parameter gradients per all-reduce bucket")
     checkpoint_every: int = _setting(0, "save a checkpoint every N epochs (0: never)")
@@ -203,6 +216,9 @@ def validate(c: TrainConfig) -> None:
         if c.staleness != 1:
             raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
     straggler.check_config(c.p, c.staleness, straggler.parse_sync(c.sync), c.norm)
+    check_max_lag(c)
+    if c.work_pool:
+        straggler.check_work_pool(c.p, c.staleness, c.norm, c.inductive)
     straggler.parse_delays(c.inject_delay)
     if c.device not in DEVICES:
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
-from .kernels import Adjacency
+from .kernels import Adjacency, spmm, spmm_add_
 from .shard import Topology
 from .stale import StaleExchange
 
@@ -152,6 +152,11 @@ class ShardGraph:
             self._column_nnz = boundary.t_indptr.diff()
             self.boundary = boundary.to(device)
         self._inner_nnz = self.full.nnz - int(self._column_nnz.sum()) if self.full is not None else 0
+
+    def aggregate(self, x_inner: torch.Tensor, x_boundary: torch.Tensor) -> torch.Tensor:
+        """The full-graph aggregation ``A [x_inner; x_boundary]`` [n_inner, d] (every
+        boundary column; the precomputed first layer)."""
+        return spmm_add_(spmm(self.inner, x_inner), self.boundary, x_boundary)
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor of the static adjacency (for memory accounting)."""

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from .accounting import COLUMNS, INDEX, EpochAccount
 from .comm import Comm
+from .optim import Adam
 from .errors import PeerLost, peer_lost_message
 from .reducer import GradientReducer
 from .straggler import SyncMode
@@ -100,7 +101,7 @@ class Decoupled(ParameterSync):
     decoupled = True
 
     def __init__(
-        self, comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, mode: SyncMode, local_train: int, global_train: int, seed: int, log: logging.Logger
+        self, comm: Comm, model: nn.Module, optimizer: Adam, mode: SyncMode, local_train: int, global_train: int, seed: int, log: logging.Logger
     ) -> None:
         super().__init__()
         self.comm, self.mode, self.log, self.optimizer = comm, mode, log, optimizer
@@ -161,15 +162,20 @@ class Decoupled(ParameterSync):
             self.comm.store.wait(keys, self.timeout)
         except Exception as exc:  # a dead or hung member
             raise self._lost(f"waiting for the parameters of {len(keys)} ranks ({type(exc).__name__})") from exc
+        self._load_mean(keys)
+        if self.comm.store.add(done, 1) == len(keys):
+            for key in keys:
+                self.comm.store.delete_key(key)
+
+
+    def _load_mean(self, keys: list[str]) -> None:
+        """Load the mean of the blobs at ``keys`` (present), summed in rank order in float64."""
         blobs = sorted((struct.unpack("<i", b[:4])[0], b[4:]) for b in (self.comm.store.get(k) for k in keys))
         self.comm.stats.received["reduction"] += sum(len(b) + 4 for _, b in blobs)
         total = np.zeros(len(blobs[0][1]) // 4, dtype=np.float64)
         for _, data in blobs:
             total += np.frombuffer(data, dtype=np.float32)
         self.load(torch.from_numpy(total / len(blobs)).to(self.params[0].dtype).to(self.params[0].device))
-        if self.comm.store.add(done, 1) == len(keys):
-            for key in keys:
-                self.comm.store.delete_key(key)
 
 
 class Grouped(Decoupled):
@@ -188,7 +194,13 @@ class Grouped(Decoupled):
 
     def finish(self) -> None:
         self.busy = time.perf_counter() - self.mark  # this step's own work: no wait yet
-        grads = torch.cat([_grad(p).reshape(-1) for p in self.params])
+        self._sum_grads()
+        _scale_grads(self.params, self.scale)
+
+    def _sum_grads(self, extra: tuple[float, ...] = ()) -> list[float]:
+        """Sum the gradients, and ``extra`` numbers, over the group (every rank in the
+        warm-up) in one flat all-reduce; returns the summed ``extra``."""
+        grads = torch.cat([_grad(p).reshape(-1) for p in self.params] + [torch.tensor(extra, dtype=self.params[0].dtype, device=self.params[0].device)])
         if len(self.members) > 1:
             try:
                 dist.all_reduce(grads, group=self.group)
@@ -198,7 +210,7 @@ class Grouped(Decoupled):
         for p in self.params:
             _grad(p).copy_(grads[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        _scale_grads(self.params, self.scale)
+        return grads[offset:].tolist() if extra else []  # (a read of the device only when asked)
 
     def after_step(self, step: int) -> None:
         self.steps += 1
@@ -245,11 +257,14 @@ class Partial(Decoupled):
     """``partial:P`` (see the module)."""
 
     def after_step(self, step: int) -> None:
-        store, size_p, world = self.comm.store, self.mode.every, self.comm.world_size
-        prefix = f"sync/partial/{step}/"
+        self._round(f"sync/partial/{step}/", self.comm.world_size)
+
+    def _round(self, prefix: str, arrivals: int) -> None:
+        """Join the round of this arrival among ``arrivals`` counted under ``prefix``."""
+        store, size_p = self.comm.store, self.mode.every
         arrival = store.add(prefix + "arrivals", 1) - 1
         round_, position = divmod(arrival, size_p)
-        size = min(size_p, world - round_ * size_p)
+        size = min(size_p, arrivals - round_ * size_p)
         keys = [f"{prefix}{round_}/{i}" for i in range(size)]
         self._publish(keys[position])
         self._average_published(keys, f"{prefix}{round_}/read")
@@ -347,7 +362,7 @@ def _scale_grads(params: list[nn.Parameter], scale: float) -> None:
 
 
 def make_sync(
-    mode: SyncMode, comm: Comm, model, optimizer: torch.optim.Optimizer, bucket_bytes: int, local_train: int, global_train: int, seed: int, log: logging.Logger
+    mode: SyncMode, comm: Comm, model, optimizer: Adam, bucket_bytes: int, local_train: int, global_train: int, seed: int, log: logging.Logger
 ) -> ParameterSync:
     """The job's parameter sync. ``allreduce`` builds the gradient reducer exactly as before
     (its hooks are registered only then: decoupled modes must not sum over every rank)."""

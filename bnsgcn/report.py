@@ -56,6 +56,10 @@ BALANCE = {
     "time_injected_delay": ("injected delay", "s"),
     "time_sync": ("waits in parameter sync", "s"),
     "steps": ("steps done", ""),
+    # --max-lag: epochs behind of the oldest rows or gradients a rank used (per-epoch
+    # median; 1 is --staleness 1), and its waits because they would have been older
+    "lag": ("lag used (epochs)", ""),
+    "time_lag_wait": ("waits for lagging ranks", "s"),
 }
 # Where an epoch's time goes, in stacking order. Feature and gradient exchange times are
 # measured inside the forward and backward passes, so compute = pass - exchange; "other"
@@ -134,6 +138,8 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
             rank["time_injected_delay"], rank["time_sync"] = means["time_injected_delay"], means["time_sync"]
         if "steps_total" in figures or "steps" in means:  # the run's total; else the per-epoch median
             rank["steps"] = figures.get("steps_total", means.get("steps"))
+        if "lag" in means:  # reports of older releases lack these
+            rank["lag"], rank["time_lag_wait"] = means["lag"], means["time_lag_wait"]
         rank["saved_activation_bytes"] = means["saved_activation_bytes"]
         ranks.append(rank)
     summary = {}

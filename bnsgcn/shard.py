@@ -133,10 +133,11 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def load_shard(parts_dir: Path, part: int, num_ranks: int, verify: bool = False) -> Shard:
-    """Load partition ``part`` for a job of ``num_ranks`` ranks (which must equal the part count)."""
+def load_shard(parts_dir: Path, part: int, num_ranks: int | None, verify: bool = False) -> Shard:
+    """Load partition ``part`` for a job of ``num_ranks`` ranks (which must equal the part
+    count; None: any count, for a work pool, see :mod:`bnsgcn.workpool`)."""
     arrays = load_partition(parts_dir, part, verify=verify)
-    if arrays.num_parts != num_ranks:
+    if num_ranks is not None and arrays.num_parts != num_ranks:
         raise UserError(
             f"{parts_dir} has {arrays.num_parts} partitions but the job has {num_ranks} ranks; "
             f"start {arrays.num_parts} ranks or re-partition with --parts {num_ranks}"

@@ -1,6 +1,7 @@
 """Straggler settings: injected per-rank delays (a testing aid) and the parameter-sync mode.
 
-``--inject-delay R:S[,R:LO-HI...]``: rank R sleeps S seconds every epoch, or a time drawn
+``--inject-delay R:S[,R:LO-HI...]``: rank R sleeps S seconds every epoch (with ``--work-pool``
+every step, one per partition taken), or a time drawn
 uniformly from [LO, HI] by a generator seeded with (``--seed``, R), so a run is repeatable.
 The sleep is its own phase of the epoch (``injected_delay`` in the records and the report),
 never counted as compute. It emulates a slow machine, as the straggler studies did
@@ -94,6 +95,18 @@ def check_config(p: float, staleness: int, sync: SyncMode, norm: str) -> None:
             f"--sync {sync.kind} only helps when ranks do not exchange boundary rows every layer, but --p is {p:g} with "
             "--staleness 0; add --staleness 1 (stale exchange) or pass --p 0, or use --sync allreduce"
         )
+
+
+def check_work_pool(p: float, staleness: int, norm: str, inductive: bool) -> None:
+    """What ``--work-pool`` needs, in one line: partitions trained on their own."""
+    if p != 0.0:
+        raise UserError(f"--work-pool trains each partition on its own subgraph (boundary nodes dropped), but --p is {p:g}; pass --p 0")
+    if staleness:
+        raise UserError("--work-pool exchanges no boundary rows, so --staleness 1 has nothing to delay; drop --staleness")
+    if norm == "batch":
+        raise UserError("--work-pool lets ranks take different numbers of steps, but --norm batch sums statistics over every rank in every layer; use --norm layer or none")
+    if inductive:
+        raise UserError("--work-pool does not support --inductive; drop one of them")
 
 
 def check_world(delays: dict[int, tuple[float, float]], sync: SyncMode, world_size: int) -> None:

@@ -36,17 +36,20 @@ from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mode
-from .kernels import spmm, spmm_add_
 from .log import MetricsWriter, setup_logging
 from .model import GNN
+from .optim import Adam
 from .paramsync import EpochTables, LocalExchange, ParameterSync, checkpoints, evaluates, make_sync
+from .poolsync import make_pool_sync
 from .progress import Progress
 from .provenance import launch_info, run_name_suffix
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
+from .lag import LagExchange, make_stale_exchange
 from .stale import StaleExchange
 from .stopping import StopRequest, stop_on_signals
 from .straggler import InjectedDelay, check_flags, parse_delays, parse_sync
+from .workpool import WorkPool
 
 SPLITS = ("train", "val", "test")
 
@@ -126,7 +129,7 @@ def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topol
         # The first layer's aggregation never changes: compute it once over the full graph.
         boundary_x = fetch_boundary(comm, topology, features)
         with torch.no_grad():
-            x_agg = spmm_add_(spmm(graph.inner, features), graph.boundary, boundary_x)
+            x_agg = graph.aggregate(features, boundary_x)
     return GraphInputs(topology, graph, planner, features, x_agg, labels, train_mask, train_mask.nonzero().flatten())
 
 
@@ -190,11 +193,12 @@ class Job:
     run_dir: Path
     log: logging.Logger
     model: GNN
-    optimizer: torch.optim.Optimizer
+    optimizer: Adam
     sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.paramsync)
     delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
     exchange: BoundaryExchange  # synchronous: evaluation, and training with --staleness 0
     stale: StaleExchange | None  # training with --staleness 1
+    pool: WorkPool | None  # --work-pool: the partitions training takes steps on (bnsgcn.workpool)
     signature: dict  # what a checkpoint must agree on
     baseline_rss: int  # the process before any graph data
 
@@ -233,7 +237,10 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         # evaluations, checkpoints and the end, where parameters are averaged first
         sync_point = job.sync.is_sync_point(epoch + 1, config.eval_every, config.checkpoint_every, config.epochs)
         with account.timed("epoch"):  # device time on CUDA (bnsgcn.timing)
-            _train_epoch(job, samples, epoch, account)
+            if job.pool is not None:
+                _pool_epoch(job, epoch, account)
+            else:
+                _train_epoch(job, samples, epoch, account)
             if sync_point and job.sync.decoupled:
                 with account.timed("sync"):
                     job.sync.average_all()
@@ -265,7 +272,9 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     config = replace(config, exchange=resolve_mode(config.exchange, comm))  # auto -> direct or hierarchical
-    shard = load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify).to(comm.device)
+    pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
+    # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
+    shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)
     topo = shard.topology
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
     train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
@@ -282,7 +291,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     exchange = BoundaryExchange(comm, rows_format, grads_format)
     return Job(
         config=config,
@@ -296,10 +305,16 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         log=log,
         model=model,
         optimizer=optimizer,
-        sync=make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, local_train, global_train, config.seed, log),
+        sync=(
+            make_pool_sync(parse_sync(config.sync), comm, model, optimizer, local_train, global_train, config.seed, log, pool.num_parts)
+            if pool
+            else make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, local_train, global_train, config.seed, log)
+        ),
         delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
         exchange=exchange,
-        stale=StaleExchange(comm, train_inputs.topology, exchange, rows_format, grads_format, config.stale_smoothing) if config.staleness else None,
+        # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.lag)
+        stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
+        pool=pool,
         signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
         baseline_rss=baseline_rss,
     )
@@ -335,13 +350,16 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
 class _Samples:
     """Each epoch's boundary sample (bool [n_boundary]) and plan. With staleness the next
     epoch's is drawn one epoch ahead, for the stale exchange to send ahead for. All ranks
-    call together (a plan exchanges selections)."""
+    call together (a plan exchanges selections), except with ``--max-lag``, where the
+    exchange chooses (:meth:`bnsgcn.lag.LagExchange.draw`)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.ahead: tuple[Tensor, ExchangePlan] | None = None
 
     def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        if isinstance(self.job.stale, LagExchange):  # --max-lag: no collective, versions per owner
+            return self.job.stale.draw(epoch)
         keep, plan = self.ahead or self._draw(epoch)
         if self.job.stale is not None:
             self.ahead = self._draw(epoch + 1)
@@ -382,6 +400,50 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
             job.sync.after_step(epoch)
     # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
     account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
+    if isinstance(job.stale, LagExchange):  # the epochs behind it used, and the waits that bounded them
+        account.values.update(job.stale.figures())
+
+
+def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
+    """--work-pool: take partitions from the epoch's pool, one step each, until it is empty
+    (:mod:`bnsgcn.workpool`); lockstep modes (:mod:`bnsgcn.poolsync`) step in rounds, where
+    a rank that found the pool empty contributes no gradient and the round is the last."""
+    pool, sync, model = job.pool, job.sync, job.model
+    sync.start_epoch()
+    loss_sum, steps = torch.zeros((), device=job.comm.device), 0
+    model.train()
+    while True:
+        with account.timed("sampling"):
+            taken = pool.take(epoch)
+        if taken is None and not sync.lockstep:
+            break
+        job.optimizer.zero_grad(set_to_none=False)
+        num_train = 0
+        if taken is not None:
+            if job.delay:  # a slow machine, emulated: slower at every piece of work
+                with account.timed("injected_delay"):
+                    job.delay.sleep()
+            inputs = pool.inputs(taken[1])
+            num_train = inputs.num_train
+            # dropout drawn per partition and epoch: a step does not depend on the rank taking it
+            torch.manual_seed(derive_seed(job.config.seed, taken[1], epoch, 1))
+            with account.timed("forward"):
+                logits = model(inputs.features, inputs.graph, inputs.x_agg)
+                part_loss = _loss_sum(logits.index_select(0, inputs.train_index), inputs.labels.index_select(0, inputs.train_index), job.shard.multilabel)
+            with account.timed("backward"):
+                # lockstep: the summed loss (the round's mean is taken after the all-reduce)
+                (part_loss if sync.lockstep else part_loss / max(num_train, 1)).backward()
+            loss_sum = loss_sum + part_loss.detach()
+            steps += 1
+        with account.timed("reduction"):
+            step, more = sync.finish_round(num_train, taken is not None) if sync.lockstep else (num_train > 0, True)
+        if step:
+            job.optimizer.step()
+        with account.timed("sync"):
+            sync.after_pool_step(epoch)
+        if not more:
+            break
+    account.values.update(loss_sum=loss_sum, sampled_boundary=0, steps=steps)
 
 
 def _write_epoch(job: Job, metrics: MetricsWriter | None, record: dict, scores: dict[str, float] | None) -> None:
@@ -435,8 +497,8 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     train, evaluate = job.train_inputs, job.eval_inputs
     holder_bytes = memory.holders(
         partition=[shard.features, shard.labels, shard.train_mask, shard.val_mask, shard.test_mask, topo.indptr, topo.indices, topo.degree, topo.send_nodes],
-        precomputed=[evaluate.x_agg, train.x_agg],
-        adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []),
+        precomputed=[evaluate.x_agg, train.x_agg, *(job.pool.precomputed_tensors() if job.pool else [])],
+        adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []) + (job.pool.adjacency_tensors() if job.pool else []),
         exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
         optimizer_state=memory.optimizer_state_tensors(job.optimizer),
@@ -454,7 +516,7 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
         metrics.write(summary)
         metrics.close()
         job.log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best.val_score, best.epoch, best.test_score, job.run_dir)
-    return summary | {"model": job.model}
+    return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
 
 
 def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool) -> tuple[dict | None, dict | None]:
@@ -525,6 +587,10 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
             "injected_delay": col("time_injected_delay").tolist(),
             "sync": col("time_sync").tolist(),
             "idle": col("time_idle").tolist(),
+            # --max-lag: the most epochs behind of any rows or gradients a rank used, and its
+            # seconds waiting because they would have been older than allowed
+            "lag": [int(v) for v in col("lag").tolist()],
+            "lag_wait": col("time_lag_wait").tolist(),
         },
         "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
         "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),

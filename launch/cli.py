@@ -158,16 +158,18 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     local = args.gpus if args.gpus is not None else args.procs
     if local is not None and device == "cuda":
         require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
-    partition_set = choose_partition_set(config.parts_dir, None if local is None else local * args.nnodes, search_root)
+    partition_set = choose_partition_set(config.parts_dir, None if local is None or config.work_pool else local * args.nnodes, search_root)
     if config.parts_dir is None:
         announce(partition_set, search_root)
     if local is None:
+        if config.work_pool:
+            raise UserError("--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the set's partitions")
         local = ranks_per_node(partition_set, args.nnodes)
         if device == "cuda":
             require_gpus(local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead")
     device = resolve_device(device, local)
     world_size = local * args.nnodes
-    check_world_size(partition_set, world_size)
+    check_world_size(partition_set, world_size, config.work_pool)
     check_straggler_flags(config, world_size)
 
     nodes = slurm_nodes(os.environ) if in_slurm_step(os.environ) else None
@@ -224,10 +226,10 @@ def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: 
     check_launch_flags(args)
     config = from_args(args)
     device = resolve_device(choose_device(args, config), ranks.local_world_size)
-    partition_set = choose_partition_set(config.parts_dir, ranks.world_size, search_root)
+    partition_set = choose_partition_set(config.parts_dir, None if config.work_pool else ranks.world_size, search_root)
     if config.parts_dir is None and ranks.rank == 0:
         announce(partition_set, search_root)
-    check_world_size(partition_set, ranks.world_size)
+    check_world_size(partition_set, ranks.world_size, config.work_pool)
     check_straggler_flags(config, ranks.world_size)
     check_master_address(ranks.master_addr)
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bnsgcn.errors import UserError
 from bnsgcn.format import MANIFEST_NAME, read_manifest
+from bnsgcn.workpool import check_pool_size
 
 DEFAULT_SEARCH_ROOT = Path("parts")
 
@@ -76,8 +77,12 @@ def choose_partition_set(parts_dir: Path | None, world_size: int | None, search_
     raise UserError(f"{len(matches)} partition sets{wanted} under {where}: {listing}; choose one with --parts-dir DIR")
 
 
-def check_world_size(partition_set: PartitionSet, world_size: int) -> None:
-    """Every rank trains exactly one partition: the counts must agree."""
+def check_world_size(partition_set: PartitionSet, world_size: int, work_pool: bool = False) -> None:
+    """Every rank trains exactly one partition: the counts must agree (with a work pool,
+    at least one partition per rank)."""
+    if work_pool:
+        check_pool_size(partition_set.parts, world_size, partition_set.path)
+        return
     if partition_set.parts != world_size:
         k = partition_set.parts
         raise UserError(

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from bnsgcn import report
 from bnsgcn.format import PART_ARRAYS, sha256_file
+from bnsgcn.optim import Adam
 from bnsgcn.shard import load_shard
 
 from . import reference
@@ -62,16 +62,16 @@ def test_remat_at_p1_matches_the_dense_reference(graph, parts, tmp_path):
 def record_gradients():
     """Inside a rank: record every parameter gradient at each optimizer step (run_ranks' instrument)."""
     steps: list[list[np.ndarray]] = []
-    real_step = torch.optim.Adam.step
+    real_step = Adam.step
 
     def step(self, *args, **kwargs):
-        steps.append([p.grad.detach().clone().numpy() for group in self.param_groups for p in group["params"]])
+        steps.append([p.grad.detach().clone().numpy() for p in self.params])
         return real_step(self, *args, **kwargs)
 
-    torch.optim.Adam.step = step
+    Adam.step = step
 
     def collect():
-        torch.optim.Adam.step = real_step
+        Adam.step = real_step
         return steps
 
     return collect

@@ -1,0 +1,543 @@
+r"""Bounded lag (``--staleness 1 --max-lag S``): ranks run up to ``S`` epochs apart.
+
+The stale exchange of :mod:`bnsgcn.stale` is a set of all-to-all collectives every epoch (and
+the selections all-to-all of the sample before them), so every rank meets every other rank
+every epoch, however decoupled its ``--sync``. Here nothing of an epoch after the first is a
+collective: rows and gradients travel point to point, as their owners produce them, and a
+rank waits for another only where it would otherwise use something more than ``S`` epochs old.
+
+**Versions.** In its epoch ``v`` an owner sends, for layer slot ``l``, its rows ``s_l^v`` to
+each requester, at the boundary columns the requester samples in epoch ``v + 1`` (as
+``--staleness 1`` does): *row version* ``v``. Sampling is seeded by (seed, rank, epoch)
+(:func:`bnsgcn.sampler.sample_boundary`), so the owner draws the requester's sample itself
+from the requester's ``boundary_counts`` (exchanged once, at setup): no selection exchange.
+In its epoch ``t >= 1`` a rank takes, for each owner ``q``, the newest version ``v_q`` that
+has fully arrived (every slot) with ``max(0, t - S) <= v_q <= t - 1``, waiting only while
+there is none; it uses it for every slot of the epoch, so the epoch's graph keeps, in ``q``'s
+block of boundary columns, the sample of epoch ``v_q + 1`` (the keep mask is assembled per
+owner block). Backward, the gradients of the rows a rank used in epoch ``u`` go back to each
+owner with ``(u, v_q)``: *gradient version* ``u``, at the sample of epoch ``v_q + 1``. In its
+epoch ``t`` an owner adds to ``dL/ds_l^t``, per requester and slot, the newest gradient
+version ``u`` that has arrived with ``t - S <= u <= t - 1`` (waiting while there is none;
+before epoch ``S + 1`` it adds one only if one arrived), reusing it while no newer one
+arrives, as rows are reused. With ``S = 1`` every version is exactly ``t - 1``: the
+stale exchange's arithmetic (``--staleness 1``), tested equal. The first epoch exchanges
+synchronously (one all-to-all per layer: every rank starts together) and sends ahead;
+the last sends nothing (no epoch uses it).
+
+A rank can then be at most ``S`` epochs ahead of each rank it shares boundary nodes with
+(it needs their rows and gradients no older than ``S``), and a slow rank never waits for a
+fast one (the newest version no newer than ``t - 1`` is there already).
+
+**Transport.** One gloo process group of its own carries only these transfers. Per peer, a
+sender thread sends the messages the training loop queues, in order, and a receiver thread
+receives them, in order: a header (int64 ``[kind, slot, epoch, row version, values per row,
+dtype]``), then the payload, whose size both sides compute from the version's sample (gloo
+receives need the exact size; messages between two ranks arrive in the order sent). Threads,
+because gloo's point-to-point work reports completion only to a blocking ``wait`` (its
+``is_completed()`` stays false until then, measured with torch 2.13), and waiting in the
+training loop would tie ranks together again; the threads keep the transfers moving while
+the loop computes, sleeps (``--inject-delay``) or waits in a sync point. Their waits have no
+deadline of their own: every wait of the training loop on them is bounded by ``--timeout``
+and then ends the job naming the rank that stopped (:meth:`Comm.who_stopped`); a peer that
+dies ends it at once. At the end of training every rank sends an end mark to each peer and
+waits (bounded) until its own messages are delivered and every peer's end mark has arrived,
+so nothing is in flight when the job's groups close.
+
+Not supported (refused in one line, :func:`check_config`): compressed wire formats, the
+node-aware exchange, checkpoints and ``--resume`` (which versions a rank holds depends on
+timing; a resumable state would need every version in flight). ``--sync allreduce`` is
+allowed but lets no rank run ahead (ranks meet at every step's all-reduce); the job logs so.
+
+**Reproducibility.** Parameters, sampling and dropout are seeded as ever, but which version
+a rank uses depends on what has arrived, i.e. on timing. ``S = 1`` leaves no choice and
+repeats exactly; with ``S > 1`` two runs agree exactly as long as every rank used the
+previous epoch's versions (per-rank ``lag`` 1 in the records), which is the case without
+injected delays whenever the transfers arrive before they are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import Comm
+from .compress import WireFormat
+from .errors import PeerLost, UserError, peer_lost_message
+from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
+from .sampler import sample_boundary
+from .shard import Topology, segment_counts
+from .stale import StaleExchange
+
+ROWS, GRADS, END = 0, 1, 2
+HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+TAG = 16
+FOREVER = timedelta(days=365)  # the threads' waits: the training loop's are bounded instead
+SAMPLES_KEPT = 512  # samples drawn for other ranks and for this one, most recently used kept
+
+
+def check_config(c) -> None:
+    """What ``--max-lag`` needs, in one line each (a :class:`bnsgcn.config.TrainConfig`)."""
+    if c.max_lag is None:
+        return
+    if c.max_lag < 1:
+        raise UserError(f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)")
+    if c.staleness != 1:
+        raise UserError("--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag")
+    if c.compress != "none" or c.grad_wire_format != "none":
+        raise UserError("--max-lag sends rows and gradients point to point uncompressed; drop --compress and --compress-grad, or drop --max-lag")
+    if c.exchange == "hierarchical":
+        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct instead of hierarchical, or drop --max-lag")
+    if c.checkpoint_every:
+        raise UserError("--max-lag cannot write resumable checkpoints (ranks hold rows of different epochs); drop --checkpoint-every, or drop --max-lag")
+    if c.resume:
+        raise UserError("--resume continues from a checkpoint, which --max-lag does not write; drop --resume, or drop --max-lag")
+
+
+def make_stale_exchange(config, comm: Comm, topology: Topology, synchronous: BoundaryExchange, rows_format: WireFormat, grads_format: WireFormat, log: logging.Logger):
+    """The training exchange of ``--staleness 1``: :class:`LagExchange` with ``--max-lag``
+    (at ``p > 0``), else :class:`bnsgcn.stale.StaleExchange`; None without staleness. Every
+    rank calls it together (building a LagExchange is collective)."""
+    if not config.staleness:
+        return None
+    if config.max_lag is None or config.p <= 0.0:
+        if config.max_lag is not None and comm.rank == 0:
+            log.info("--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.max_lag)
+        return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.stale_smoothing)
+    if config.exchange != "direct":  # auto chose hierarchical: several machines with several ranks each
+        raise UserError(
+            f"--max-lag sends rows point to point, but --exchange auto chose hierarchical (this job spans {comm.nodes.count} machines, "
+            "some with several ranks); pass --exchange direct"
+        )
+    if comm.rank == 0 and config.sync == "allreduce":
+        log.info("--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter", config.max_lag)
+    return LagExchange(comm, topology, synchronous, config.p, config.seed, config.max_lag, config.epochs, config.stale_smoothing)
+
+
+class _Peer:
+    """The two threads and the queue of one peer."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.Queue = queue.Queue()
+        self.unsent = 0  # messages queued and not yet delivered (under the exchange's lock)
+        self.ended = False  # its end mark arrived
+        self.threads: list[threading.Thread] = []
+
+
+class LagExchange:
+    """Boundary exchange with bounded lag (see the module). ``synchronous`` serves the first
+    epoch; ``topology`` is the training graph's. Collective to build (one gather of every
+    rank's ``boundary_counts``, one new process group)."""
+
+    def __init__(self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, p: float, seed: int, max_lag: int, epochs: int, smoothing: float | None = None) -> None:
+        self.comm, self.synchronous, self.p, self.seed, self.max_lag, self.epochs, self.smoothing = comm, synchronous, p, seed, max_lag, epochs, smoothing
+        me, world = comm.rank, comm.world_size
+        self.topology = topology
+        self.n_inner, self.n_boundary = topology.n_inner, topology.n_boundary
+        self.counts = [list(c) for c in comm.all_gather_object(list(topology.boundary_counts))]  # every rank's boundary_counts
+        for r in range(world):
+            if self.counts[r][me] != topology.send_counts[r]:
+                raise RuntimeError(f"rank {r} has {self.counts[r][me]} boundary nodes of rank {me}, which sends {topology.send_counts[r]} rows to it; the partition set is inconsistent")
+        self.owners = [q for q in range(world) if q != me and topology.boundary_counts[q] > 0]  # whose rows this rank uses
+        self.requesters = [r for r in range(world) if r != me and topology.send_counts[r] > 0]  # who uses this rank's rows
+        starts = torch.tensor([0, *topology.boundary_counts]).cumsum(0).tolist()
+        self.block = {q: (starts[q], starts[q + 1]) for q in range(world)}  # q's boundary columns here
+        send_starts = torch.tensor([0, *topology.send_counts]).cumsum(0).tolist()
+        self.send_nodes = {r: topology.send_nodes[send_starts[r] : send_starts[r + 1]].to(comm.device) for r in self.requesters}
+        self.send_rows = torch.unique(topology.send_nodes).to(comm.device)  # for the gradient average
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=comm.timeout)) if world > 1 else None
+
+        self.cond = threading.Condition()
+        self.error: tuple[int, BaseException] | None = None
+        self.rows: dict[tuple[int, int], dict[int, Tensor]] = {}  # (owner, slot) -> version -> flat rows
+        self.grads: dict[tuple[int, int], dict[int, tuple[int, Tensor]]] = {}  # (requester, slot) -> epoch -> (row version, flat grads)
+        self.received = {"features": 0, "gradients": 0, "control": 0}  # bytes the threads took in since the last look
+        self.samples: OrderedDict[tuple[int, int], Tensor] = OrderedDict()
+        self.sample_lock = threading.Lock()
+
+        self.epoch = -1
+        self.slots: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # slot -> (row shape, dtype), from the first epoch
+        self.chosen: dict[int, int] = {}  # owner -> row version used this epoch
+        self.columns: Tensor | None = None  # this epoch's boundary columns (smoothing)
+        self.row_average: dict[int, Tensor] = {}
+        self.row_seen: dict[int, Tensor] = {}
+        self.grad_average: dict[int, Tensor] = {}
+        self.lag = 0  # this epoch: the most epochs behind of any version used
+        self.waited = 0.0  # this epoch: seconds waited for versions within the bound
+        self.finished = False
+
+        self.peers = {q: _Peer() for q in sorted(set(self.owners) | set(self.requesters))}
+        for q, peer in self.peers.items():
+            peer.threads = [
+                threading.Thread(target=self._receive, args=(q,), name=f"lag-recv-{q}", daemon=True),
+                threading.Thread(target=self._send, args=(q, peer), name=f"lag-send-{q}", daemon=True),
+            ]
+            for thread in peer.threads:
+                thread.start()
+
+    # --- the threads ---------------------------------------------------------------------
+
+    def _receive(self, q: int) -> None:
+        """Receive ``q``'s messages in order until its end mark."""
+        try:
+            while True:
+                header = torch.empty(HEADER, dtype=torch.int64)
+                dist.irecv(header, q, group=self.group, tag=TAG).wait(FOREVER)
+                kind, slot, epoch, version, width, dtype = header.tolist()
+                if kind == END:
+                    with self.cond:
+                        self.peers[q].ended = True
+                        self.received["control"] += header.nbytes
+                        self.cond.notify_all()
+                    return
+                rows = self._block_count(kind, q, version)
+                payload = torch.empty(rows * width, dtype=DTYPES[dtype])
+                if payload.numel():
+                    dist.irecv(payload, q, group=self.group, tag=TAG).wait(FOREVER)
+                with self.cond:
+                    if kind == ROWS:
+                        self.rows.setdefault((q, slot), {})[version] = payload
+                    else:
+                        self.grads.setdefault((q, slot), {})[epoch] = (version, payload)
+                    self.received["features" if kind == ROWS else "gradients"] += payload.nbytes
+                    self.received["control"] += header.nbytes
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 (reported by the training loop)
+            self._fail(q, exc)
+
+    def _send(self, q: int, peer: _Peer) -> None:
+        """Send the queued messages to ``q`` in order; stop after the end mark."""
+        try:
+            while True:
+                message = peer.outbox.get()
+                for tensor in message:
+                    dist.isend(tensor, q, group=self.group, tag=TAG).wait(FOREVER)
+                with self.cond:
+                    peer.unsent -= 1
+                    self.cond.notify_all()
+                if int(message[0][0]) == END:
+                    return
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(q, exc)
+
+    def _fail(self, q: int, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = (q, exc)
+            self.cond.notify_all()
+
+    # --- samples -------------------------------------------------------------------------
+
+    def _sample(self, rank: int, epoch: int) -> Tensor:
+        """``rank``'s boundary sample of ``epoch``: for this rank all of it (bool
+        [n_boundary]), for another only its block of this rank's nodes (bool [send_counts[rank]])."""
+        key = (rank, epoch)
+        with self.sample_lock:
+            if key in self.samples:
+                self.samples.move_to_end(key)
+                return self.samples[key]
+        keep = sample_boundary(self.counts[rank], self.p, self.seed, rank, epoch)
+        if rank != self.comm.rank:
+            start = sum(self.counts[rank][: self.comm.rank])
+            keep = keep[start : start + self.counts[rank][self.comm.rank]].clone()
+        with self.sample_lock:
+            self.samples[key] = keep
+            while len(self.samples) > SAMPLES_KEPT:
+                self.samples.popitem(last=False)
+        return keep
+
+    def _owner_block(self, q: int, version: int) -> Tensor:
+        """Which of ``q``'s boundary columns here row version ``version`` carries."""
+        lo, hi = self.block[q]
+        return self._sample(self.comm.rank, version + 1)[lo:hi]
+
+    def _block_count(self, kind: int, q: int, version: int) -> int:
+        """Rows in a message of ``kind`` from ``q`` at row version ``version``."""
+        if kind == ROWS:  # q's rows for this rank's sample of version + 1
+            return int(self._owner_block(q, version).sum())
+        return int(self._sample(q, version + 1).sum())  # gradients of the rows q used
+
+    # --- the training loop's side --------------------------------------------------------
+
+    def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        """The boundary sample (bool [n_boundary], assembled per owner block) and plan of
+        ``epoch``: this rank's own draw in the first epoch (exchanged synchronously), else
+        the newest row version of each owner within the bound (waiting while there is none)."""
+        self.epoch, self.lag, self.waited, self.chosen = epoch, 0, 0.0, {}
+        self._count_received()
+        own = self._sample(self.comm.rank, epoch)
+        if not self.slots:  # the first epoch (or a model that exchanges nothing)
+            return own, self._first_plan(own) if epoch == 0 else self._plan(own)
+        low, high = max(0, epoch - self.max_lag), epoch - 1
+
+        def newest(q: int) -> int | None:
+            versions = [set(self.rows.get((q, slot), {})) for slot in self.slots]
+            usable = [v for v in set.intersection(*versions) if low <= v <= high]
+            return max(usable) if usable else None
+
+        self._wait(lambda: all(newest(q) is not None for q in self.owners), "selections", f"rows of epoch {low} or later from ranks {self.owners}")
+        keep = own.clone()
+        with self.cond:
+            for q in self.owners:
+                version = self.chosen[q] = newest(q)
+                for slot in self.slots:  # older versions are never used again
+                    versions = self.rows[(q, slot)]
+                    for old in [v for v in versions if v < version]:
+                        del versions[old]
+        for q, version in self.chosen.items():
+            lo, hi = self.block[q]
+            keep[lo:hi] = self._owner_block(q, version)
+            self.lag = max(self.lag, epoch - version)
+        if self.smoothing is not None:
+            self.columns = keep.nonzero().flatten().to(self.comm.device)
+        return keep, self._plan(keep)
+
+    def _plan(self, keep: Tensor) -> ExchangePlan:
+        """A plan of what arrives (the sends are this module's own)."""
+        zeros = [0] * self.comm.world_size
+        return ExchangePlan(torch.empty(0, dtype=torch.int64, device=self.comm.device), zeros, segment_counts(keep, self.topology.boundary_counts))
+
+    def _first_plan(self, own: Tensor) -> ExchangePlan:
+        """The direct plan of the first epoch, without the selections all-to-all: each
+        requester's sample is drawn here."""
+        wanted = [self._sample(r, 0) if r in self.send_nodes else torch.zeros(0, dtype=torch.bool) for r in range(self.comm.world_size)]
+        index = [self.send_nodes[r][w.to(self.comm.device)] for r, w in enumerate(wanted) if r in self.send_nodes]
+        send_index = torch.cat(index) if index else torch.empty(0, dtype=torch.int64, device=self.comm.device)
+        return ExchangePlan(send_index, [int(w.sum()) for w in wanted], segment_counts(own, self.topology.boundary_counts))
+
+    def figures(self) -> dict[str, float]:
+        """This epoch's lag (most epochs behind of any version used) and seconds waited for it."""
+        return {"lag": float(self.lag), "time_lag_wait": self.waited}
+
+    def buffers(self) -> list[Tensor | None]:
+        """What this rank holds of other ranks' rows and gradients, and the averages."""
+        with self.cond:
+            held = [t for versions in self.rows.values() for t in versions.values()]
+            held += [t for versions in self.grads.values() for _, t in versions.values()]
+        return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
+
+    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows | _LagFlight:
+        """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows (the
+        chosen versions, from the second epoch on) and ``x_inner`` goes out for the next."""
+        if self.epoch == 0:
+            self.slots[slot] = (tuple(x_inner.shape[1:]), x_inner.dtype)
+            flight = self.synchronous.start(x_inner, plan, slot, category)
+            self._send_rows(slot, x_inner.detach())
+            return flight
+        flight = _LagFlight(self, slot, plan)
+        flight.token = _LagSend.apply(x_inner, flight)
+        return flight
+
+    def drain(self) -> None:
+        """At the end of training: send the end mark to every peer, then wait (bounded by
+        --timeout) until this rank's messages are delivered and every peer's end mark arrived."""
+        if self.finished:
+            return
+        self.finished = True
+        for q in self.peers:
+            self._queue(q, (torch.tensor([END, 0, self.epoch, 0, 0, 0], dtype=torch.int64),), "control")
+        self._wait(lambda: all(p.ended and p.unsent == 0 for p in self.peers.values()), None, f"the last transfers of ranks {sorted(self.peers)}")
+        for peer in self.peers.values():
+            for thread in peer.threads:
+                thread.join(timeout=self.comm.timeout)
+        self._count_received()
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("--max-lag writes no checkpoints (bnsgcn.lag.check_config refuses --checkpoint-every)")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("--max-lag cannot resume (bnsgcn.lag.check_config refuses --resume)")
+
+    # sending
+
+    def _queue(self, q: int, message: tuple[Tensor, ...], category: str) -> None:
+        peer = self.peers[q]
+        with self.cond:
+            peer.unsent += 1
+        peer.outbox.put(message)
+        stats = self.comm.stats
+        payload = sum(t.nbytes for t in message[1:])
+        stats.sent[category] += payload
+        stats.sent["control"] += message[0].nbytes
+        (stats.sent_intra if self.comm.nodes.node_of[q] == self.comm.node else stats.sent_inter)[category] += payload
+
+    def _send_rows(self, slot: int, x_inner: Tensor) -> None:
+        """Row version ``epoch`` of ``slot`` to every requester, at its sample of the next epoch."""
+        if self.epoch + 1 >= self.epochs:
+            return  # no epoch uses it
+        width = x_inner[0].numel() if x_inner.shape[0] else 0
+        for r in self.requesters:
+            wanted = self._sample(r, self.epoch + 1).to(self.comm.device)
+            rows = x_inner.index_select(0, self.send_nodes[r][wanted]).reshape(-1).cpu()
+            header = torch.tensor([ROWS, slot, self.epoch, self.epoch, width, DTYPES.index(x_inner.dtype)], dtype=torch.int64)
+            self._queue(r, (header,) + ((rows,) if rows.numel() else ()), "features")
+
+    def _send_grads(self, slot: int, grad_rows: Tensor) -> None:
+        """This epoch's gradients of the rows each owner sent (gradient version ``epoch``)."""
+        if self.epoch + 1 >= self.epochs:
+            return
+        width = grad_rows[0].numel() if grad_rows.shape[0] else 0
+        offset = 0
+        for q in self.owners:
+            n = int(self._owner_block(q, self.chosen[q]).sum())
+            grads = grad_rows[offset : offset + n].reshape(-1).cpu()
+            offset += n
+            header = torch.tensor([GRADS, slot, self.epoch, self.chosen[q], width, DTYPES.index(grad_rows.dtype)], dtype=torch.int64)
+            self._queue(q, (header,) + ((grads.contiguous(),) if grads.numel() else ()), "gradients")
+
+    # receiving
+
+    def _take_rows(self, slot: int, plan: ExchangePlan) -> Tensor:
+        """This epoch's rows of ``slot`` [plan.num_received, *row] (smoothed when asked)."""
+        row, dtype = self.slots[slot]
+        with self.cond:
+            parts = [self.rows[(q, slot)][self.chosen[q]] for q in self.owners]
+        rows = torch.cat([t.view(-1, *row) for t in parts]) if parts else torch.zeros((0, *row), dtype=dtype)
+        rows = rows.to(self.comm.device)
+        if rows.shape[0] != plan.num_received:
+            raise RuntimeError(f"rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}")
+        if self.smoothing is None:
+            return rows
+        if slot not in self.row_average:
+            self.row_average[slot] = rows.new_zeros((self.n_boundary, *row))
+            self.row_seen[slot] = torch.zeros(self.n_boundary, dtype=torch.bool, device=rows.device)
+        columns, average = self.columns, self.row_average[slot]
+        seen = self.row_seen[slot][columns].view(-1, *[1] * len(row))
+        mixed = torch.where(seen, torch.lerp(rows, average[columns], self.smoothing), rows)
+        average[columns] = mixed
+        self.row_seen[slot][columns] = True
+        return mixed
+
+    def _take_grads(self, slot: int) -> Tensor | None:
+        """The gradients of this rank's rows that requesters sent back, newest within the
+        bound per requester, summed per inner row [n_inner, *row] (smoothed when asked);
+        None when there is none."""
+        epoch = self.epoch
+        low, high = max(1, epoch - self.max_lag), epoch - 1
+        required = epoch - self.max_lag >= 1  # gradient versions start at 1 (the first epoch's were exact)
+
+        def newest(r: int) -> int | None:
+            usable = [u for u in self.grads.get((r, slot), {}) if low <= u <= high]
+            return max(usable) if usable else None
+
+        if required:
+            self._wait(lambda: all(newest(r) is not None for r in self.requesters), "gradients", f"gradients of epoch {low} or later from ranks {self.requesters}")
+        row, dtype = self.slots[slot]
+        dense = None
+        with self.cond:
+            chosen = {r: newest(r) for r in self.requesters}
+            taken = {}
+            for r, u in chosen.items():
+                if u is None:  # none arrived yet (allowed before epoch S + 1): as old as the first epoch's
+                    self.lag = max(self.lag, epoch)
+                    continue
+                versions = self.grads[(r, slot)]
+                for old in [v for v in versions if v < u]:
+                    del versions[old]
+                taken[r] = versions[u]
+                self.lag = max(self.lag, epoch - u)
+        for r, (version, grads) in taken.items():
+            index = self.send_nodes[r][self._sample(r, version + 1).to(self.comm.device)]
+            if dense is None:
+                dense = torch.zeros((self.n_inner, *row), dtype=dtype, device=self.comm.device)
+            dense.index_add_(0, index, grads.to(self.comm.device).view(-1, *row))
+        if dense is None or self.smoothing is None:
+            return dense
+        current = dense[self.send_rows]
+        self.grad_average[slot] = current if slot not in self.grad_average else torch.lerp(current, self.grad_average[slot], self.smoothing)
+        return dense.index_copy_(0, self.send_rows, self.grad_average[slot])
+
+    def _count_received(self) -> None:
+        """Move the bytes the threads received into the communicator's counters."""
+        with self.cond:
+            received, self.received = self.received, dict.fromkeys(self.received, 0)
+        for category, nbytes in received.items():
+            self.comm.stats.received[category] += nbytes
+
+    def _wait(self, ready, category: str | None, what: str) -> None:
+        """Block until ``ready()`` (checked under the lock), for at most --timeout; the
+        seconds count as this epoch's lag wait (and as ``category``'s exchange time)."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.comm.timeout
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    break
+                if ready():
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.cond.wait(min(remaining, 1.0))
+            error, done = self.error, self.error is None and ready()
+        waited = time.perf_counter() - start
+        self.waited += waited
+        if category is not None:
+            self.comm.stats.clock.add(category, waited)
+        if error is not None:
+            q, exc = error
+            raise PeerLost(peer_lost_message(RuntimeError(f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"), self.comm.who_stopped())) from exc
+        if not done:
+            raise PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: waiting for {what} took longer than --timeout {self.comm.timeout:g} s"), self.comm.who_stopped()))
+
+
+class _LagFlight:
+    """One layer's exchange within an epoch (the object :meth:`LagExchange.start` returns)."""
+
+    def __init__(self, exchange: LagExchange, slot: int, plan: ExchangePlan) -> None:
+        self.exchange, self.slot, self.plan = exchange, slot, plan
+        self.token: Tensor | None = None
+        self.rows: Tensor | None = None
+        self.stale_grads: Tensor | None = None
+
+    def wait(self) -> Tensor:
+        """This epoch's rows [plan.num_received, *row], autograd-connected."""
+        token, self.token = self.token, None  # no reference cycle (see InFlightRows.wait)
+        return _LagReceive.apply(token, self)
+
+
+class _LagSend(torch.autograd.Function):
+    """Forward: take this epoch's rows, send ``x_inner`` for the next; returns an empty token
+    carrying the gradient path to :class:`_LagReceive`. Backward: the requesters' gradients,
+    which :class:`_LagReceive`'s backward collected, into ``x_inner``."""
+
+    @staticmethod
+    def forward(ctx, x_inner, flight):  # noqa: D102
+        ctx.flight = flight
+        exchange = flight.exchange
+        flight.rows = exchange._take_rows(flight.slot, flight.plan)
+        exchange._send_rows(flight.slot, x_inner.detach())
+        return x_inner.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):  # noqa: D102
+        grads, ctx.flight.stale_grads = ctx.flight.stale_grads, None
+        return grads, None
+
+
+class _LagReceive(torch.autograd.Function):
+    """Forward: this epoch's rows. Backward: collect the requesters' gradients, then send
+    this epoch's to the owners."""
+
+    @staticmethod
+    def forward(ctx, token, flight):  # noqa: D102
+        ctx.flight = flight
+        rows, flight.rows = flight.rows, None
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):  # noqa: D102
+        flight = ctx.flight
+        exchange = flight.exchange
+        flight.stale_grads = exchange._take_grads(flight.slot)
+        exchange._send_grads(flight.slot, grad_rows.contiguous())
+        return grad_rows.new_zeros(0), None

@@ -1,0 +1,214 @@
+"""``--max-lag S`` (bnsgcn.lag): boundary rows and gradients point to point, up to S epochs old.
+
+* S = 1 equals ``--staleness 1`` (same seed: the same losses and parameters, to float
+  rounding), for GraphSAGE and GAT, with and without smoothing, with ``allreduce`` and with a
+  decoupled ``--sync``; and repeats exactly;
+* S = 3 with one rank slowed by ``--inject-delay`` and a decoupled ``--sync`` at p = 0.5: the
+  fast ranks run ahead (their recorded lag exceeds 1 at some epoch, never 3), they wait for
+  the slow rank and it hardly waits for them, and the job ends with one model;
+* without injected delay a fixed seed repeats what can be repeated: the versions used depend
+  on timing, so two runs agree exactly up to the first epoch where either used an older
+  version than the previous epoch's (per-rank lag above 1; see docs/training.md);
+* a rank killed or hung ends the job with the rank named;
+* bad flag combinations are one-line errors (parser, launcher, and the rank-side check of an
+  ``--exchange auto`` that chose the node-aware exchange).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bnsgcn.config import TrainConfig, validate
+from bnsgcn.errors import UserError
+
+from .distributed import partition, random_graph, run_ranks
+from .test_errors import TRAIN, assert_user_error, run_cli
+from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, last_epoch, rank_process, run_with_rank_one_hung, start, stderr_of, train_args, wait_for
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    return partition(random_graph(90, avg_degree=4, seed=5), WORLD, tmp_path_factory.mktemp("lag") / "parts")
+
+
+@pytest.fixture(scope="module")
+def parts2(tmp_path_factory):
+    return partition(random_graph(100, avg_degree=4, seed=9), 2, tmp_path_factory.mktemp("lag") / "parts2")
+
+
+def config(parts, out, **kw) -> TrainConfig:
+    base = dict(parts_dir=parts, p=0.5, model="graphsage", layers=3, hidden=8, heads=2, dropout=0.2, lr=0.01, epochs=8, eval_every=0, device="cpu", out=out, seed=3, staleness=1, timeout=60)
+    return TrainConfig(**(base | kw))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def losses_of(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir)]
+
+
+def assert_same_params(results, a: int, b: int, exact: bool = False) -> None:
+    for rank in range(len(results)):
+        for name, value in results[rank][a]["params"].items():
+            if exact:
+                assert np.array_equal(results[rank][b]["params"][name], value), (rank, name)
+            else:
+                np.testing.assert_allclose(results[rank][b]["params"][name], value, rtol=1e-4, atol=1e-5, err_msg=f"rank {rank} {name}")
+
+
+# --- S = 1 is --staleness 1 -------------------------------------------------------------------
+
+CASES = [
+    dict(model="graphsage"),
+    dict(model="graphsage", precompute=False, stale_smoothing=0.7),
+    dict(model="gat", p=0.7, stale_smoothing=0.6),
+    dict(model="gcn", sync="partial:3", norm="none"),
+]
+
+
+def test_max_lag_one_equals_staleness_one(parts, tmp_path):
+    configs = []
+    for i, case in enumerate(CASES):
+        stale = config(parts, tmp_path / f"stale-{i}", **case)
+        configs += [stale, replace(stale, max_lag=1, out=tmp_path / f"lag-{i}")]
+    configs.append(replace(configs[1], out=tmp_path / "lag-again"))
+    results = run_ranks(WORLD, configs)
+    for i, case in enumerate(CASES):
+        stale, lagged = configs[2 * i], configs[2 * i + 1]
+        assert losses_of(lagged.out) == pytest.approx(losses_of(stale.out), rel=1e-6, abs=1e-7), case
+        assert_same_params(results, 2 * i, 2 * i + 1)
+        lines = records(lagged.out)
+        assert [r["per_rank"]["lag"] for r in lines] == [[0] * WORLD] + [[1] * WORLD] * (stale.epochs - 1), case
+        # no selections all-to-all: after the first epoch no byte of it
+        assert all(r["bytes_sent_by_kind"]["selections"] == 0 for r in lines), case
+    assert losses_of(configs[-1].out) == losses_of(configs[1].out)  # S = 1 repeats exactly
+    assert_same_params(results, 1, len(configs) - 1, exact=True)
+
+
+# --- S = 3: fast ranks run ahead of a slow one --------------------------------------------------
+
+
+@pytest.mark.parametrize("sync", ["partial:2", "gossip:1"])
+def test_fast_ranks_run_ahead_of_a_slow_rank_within_the_bound(parts, tmp_path, sync):
+    # rank 2 sleeps every epoch; one sync point in the middle (epoch 7) and one at the end
+    lagged = config(parts, tmp_path / "lag", sync=sync, inject_delay="2:0.12", epochs=14, eval_every=7, max_lag=3)
+    results = run_ranks(WORLD, [lagged])
+    lines = records(lagged.out)
+    lags = np.array([r["per_rank"]["lag"] for r in lines])  # [epoch, rank]
+    waits = np.array([r["per_rank"]["lag_wait"] for r in lines])
+    assert lags.max() <= 3, lags.tolist()
+    assert lags[:, 0].max() > 1 and lags[:, 1].max() > 1, lags.tolist()  # the fast ranks ran ahead
+    assert (lags[1:] >= 1).all() and (lags[0] == 0).all(), lags.tolist()  # the first epoch is exact
+    # the fast ranks waited for the slow one (once 3 epochs ahead), the slow one hardly at all
+    assert min(waits[:, 0].sum(), waits[:, 1].sum()) > 0.3 and waits[:, 2].sum() < 0.5 * min(waits[:, 0].sum(), waits[:, 1].sum()), waits.tolist()
+    assert all(r["per_rank"]["steps"] == [1] * WORLD for r in lines)
+    for rank in (1, 2):  # one model at the end
+        for name, value in results[0][0]["params"].items():
+            assert np.array_equal(results[rank][0]["params"][name], value), (rank, name)
+    report = json.loads((lagged.out / "report.json").read_text())
+    assert all(r["lag"] >= 1 and r["time_lag_wait"] >= 0 for r in report["ranks"])
+    assert report["summary"]["lag"]["max"] <= 3
+
+
+# --- a seed without injected delay ------------------------------------------------------------
+
+
+def test_a_seed_repeats_while_every_rank_used_the_previous_epochs_versions(parts, tmp_path):
+    """Which version a rank uses depends on what has arrived: two runs with S = 3 agree
+    exactly (with S = 1 too) up to the first epoch where some rank used an older version
+    than the previous epoch's; without delays that is rare, and the records say where."""
+    one = config(parts, tmp_path / "one", max_lag=1, epochs=10)
+    first, second = replace(one, max_lag=3, out=tmp_path / "a"), replace(one, max_lag=3, out=tmp_path / "b")
+    run_ranks(WORLD, [one, first, second])
+    reference = losses_of(one.out)
+    for run in (first, second):
+        lines = records(run.out)
+        lags = [max(r["per_rank"]["lag"]) for r in lines]
+        assert max(lags) <= 3
+        same = next((e for e, lag in enumerate(lags) if lag > 1), len(lags))  # epochs before the first older version
+        print(f"{run.out.name}: lag per epoch {lags}; equal to S = 1 for {same} of {len(lags)} epochs")  # pytest -rP
+        assert losses_of(run.out)[:same] == reference[:same]
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+LAG_FLAGS = ["--checkpoint-every", "0", "--staleness", "1", "--max-lag", "2", "--sync", "gossip:1"]
+
+
+def test_rank_killed_ends_the_job_naming_it(tmp_path, parts2):
+    run_dir = tmp_path / "run"
+    job = start([*TRAIN, *train_args(parts2, run_dir, "--epochs", "100000", *LAG_FLAGS)], tmp_path, "job")
+    try:
+        wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
+        processes = descendants(job.pid)
+        rank_process(processes, 1).kill()
+        job.wait(TIMEOUT_S + 30)
+    finally:
+        kill_job(job)
+    assert job.returncode == 128 + signal.SIGKILL
+    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
+    assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
+    assert_all_gone(processes, run_dir)
+
+
+def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
+    """Between sync points (every 50 epochs) ranks meet only in the point-to-point transfers
+    (grouped with two groups of one rank each: no collective per step after the first): a
+    rank waiting there for a hung one ends after --timeout, naming it."""
+    timeout_s = 5
+    run_dir = tmp_path / "run"
+    flags = [*LAG_FLAGS[:-1], "grouped:1000:2"]
+    args = train_args(parts2, run_dir, "--epochs", "100000", *flags, "--timeout", str(timeout_s), "--eval-every", "50")
+    job, processes, elapsed = run_with_rank_one_hung(tmp_path, args, timeout_s)
+    assert timeout_s <= elapsed < timeout_s + 25, elapsed
+    assert job.returncode == 4
+    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
+    assert re.search(r"rank 0: waiting for (rows|gradients) of epoch \d+ or later from ranks \[1\] took longer than --timeout 5 s; rank 1 stopped at epoch \d+ while the others waited$", last_line), last_line
+    assert "Traceback" not in stderr_of(tmp_path, "job")
+    assert_all_gone(processes, run_dir)
+
+
+# --- flags -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(max_lag=2), "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag"),
+        (dict(max_lag=0, staleness=1), "--max-lag 0 must be a positive number of epochs"),
+        (dict(max_lag=2, staleness=1, compress="int8"), "drop --compress and --compress-grad, or drop --max-lag"),
+        (dict(max_lag=2, staleness=1, compress_grad="fp16"), "drop --compress and --compress-grad, or drop --max-lag"),
+        (dict(max_lag=2, staleness=1, exchange="hierarchical"), "pass --exchange direct instead of hierarchical"),
+        (dict(max_lag=2, staleness=1, checkpoint_every=5), "drop --checkpoint-every, or drop --max-lag"),
+        (dict(max_lag=2, staleness=1, resume=True, out=Path("run")), "drop --resume, or drop --max-lag"),
+    ],
+)
+def test_bad_combinations_are_refused_in_one_line(kw, words):
+    with pytest.raises(UserError) as info:
+        validate(replace(TrainConfig(), **kw))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_launcher_refuses_before_any_rank_starts(tmp_path, parts2):
+    outcome = run_cli(TRAIN, ["--procs", "2", "--parts-dir", str(parts2), "--max-lag", "3", "--out", str(tmp_path / "run")], tmp_path)
+    assert_user_error(outcome, "--max-lag bounds how many epochs stale rows may be, but --staleness is 0")
+    assert outcome.stderr.strip().count("\n") == 0, outcome.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_auto_exchange_that_chose_node_aware_is_refused(parts, tmp_path):
+    lagged = config(parts, tmp_path / "run", max_lag=2, epochs=2)
+    with pytest.raises(AssertionError, match=r"UserError: --max-lag sends rows point to point, but --exchange auto chose hierarchical .*; pass --exchange direct"):
+        run_ranks(WORLD, [lagged], nodes=[0, 0, 1])
+    run_ranks(WORLD, [replace(lagged, exchange="direct")], nodes=[0, 0, 1])  # accepted
