@@ -2,9 +2,9 @@
 
 Apart, the three pass over the activation six times (three forward, three backward) and
 keep the input, the ReLU's output and the dropout mask for backward. Fused, forward reads
-the input once and writes the result and one mask byte per element (dropped or negative
-before the ReLU); backward recomputes the normalised input from the per-row mean and
-inverse deviation. Measured in docs/benchmarks.md ("Aggregation kernels").
+the input once and writes the result and one mask bit per element on the numba backend (a
+byte on the torch backend: dropped or negative before the ReLU); backward recomputes the
+normalised input from the per-row mean and inverse deviation. Measured in docs/benchmarks.md ("Aggregation kernels").
 """
 
 from __future__ import annotations

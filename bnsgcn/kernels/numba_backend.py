@@ -623,7 +623,8 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
                 if j < d:
                     y = (row[j] - mu) * r * weight[j] + bias[j]
                     kept = ((bits >> np.uint64(16 * t)) & low16) >= threshold and y > 0
-                    keep[i, j] = kept
+                    if kept:  # one bit per element (keep starts zeroed)
+                        keep[i, j >> 3] |= np.uint8(1 << (j & 7))
                     out[i, j] = y * scale * kept
 
 
@@ -650,7 +651,7 @@ def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, d
         mean_dxhat = x.dtype.type(0)
         mean_dxhat_xhat = x.dtype.type(0)
         for j in range(d):
-            g = dout[i, j] * scale * keep[i, j]
+            g = dout[i, j] * scale * x.dtype.type((keep[i, j >> 3] >> (j & 7)) & 1)  # in x's precision, as with a byte mask
             h = (x[i, j] - mu) * r
             dy[j], xhat[j] = g, h
             dweight[j] += g * h
@@ -684,10 +685,12 @@ def _norm_relu_dropout_grad_kernel(dout, x, weight, mean, rstd, keep, scale, dx,
 def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(out, keep, mean, rstd)``: ``out = relu(layer_norm(x)) * keep * scale`` with ``keep``
     already zero where the ReLU is; the random bits as in :func:`dropout` (none drawn
-    without dropout, ``threshold`` 0)."""
+    without dropout, ``threshold`` 0). ``keep`` holds one bit per element, uint8
+    [n, ceil(d / 8)] (bit ``j mod 8`` of byte ``j // 8``): backward keeps it, an eighth of
+    a byte mask."""
     seed = int(torch.randint(0, 2**62, (1,))) if threshold else 0
     n, d = x.shape
-    out, keep = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
+    out, keep = torch.empty_like(x), torch.zeros((n, (d + 7) // 8), dtype=torch.uint8)
     mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)
     _norm_relu_dropout_kernel(
         _array(x), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold), float(scale),
