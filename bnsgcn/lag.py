@@ -75,7 +75,7 @@ from .errors import PeerLost, UserError, peer_lost_message
 from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
 from .sampler import sample_boundary
 from .shard import Topology, segment_counts
-from .stale import StaleExchange
+from .stale import DelayedFlight, StaleExchange
 
 ROWS, GRADS, END = 0, 1, 2
 HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype
@@ -333,9 +333,7 @@ class LagExchange:
             flight = self.synchronous.start(x_inner, plan, slot, category)
             self._send_rows(slot, x_inner.detach())
             return flight
-        flight = _LagFlight(self, slot, plan)
-        flight.token = _LagSend.apply(x_inner, flight)
-        return flight
+        return _LagFlight(self, slot, plan).start(x_inner)
 
     def drain(self) -> None:
         """At the end of training: send the end mark to every peer, then wait (bounded by
@@ -490,54 +488,19 @@ class LagExchange:
             raise PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: waiting for {what} took longer than --timeout {self.comm.timeout:g} s"), self.comm.who_stopped()))
 
 
-class _LagFlight:
+class _LagFlight(DelayedFlight):
     """One layer's exchange within an epoch (the object :meth:`LagExchange.start` returns)."""
 
     def __init__(self, exchange: LagExchange, slot: int, plan: ExchangePlan) -> None:
+        super().__init__()
         self.exchange, self.slot, self.plan = exchange, slot, plan
-        self.token: Tensor | None = None
-        self.rows: Tensor | None = None
-        self.stale_grads: Tensor | None = None
 
-    def wait(self) -> Tensor:
-        """This epoch's rows [plan.num_received, *row], autograd-connected."""
-        token, self.token = self.token, None  # no reference cycle (see InFlightRows.wait)
-        return _LagReceive.apply(token, self)
-
-
-class _LagSend(torch.autograd.Function):
-    """Forward: take this epoch's rows, send ``x_inner`` for the next; returns an empty token
-    carrying the gradient path to :class:`_LagReceive`. Backward: the requesters' gradients,
-    which :class:`_LagReceive`'s backward collected, into ``x_inner``."""
-
-    @staticmethod
-    def forward(ctx, x_inner, flight):  # noqa: D102
-        ctx.flight = flight
-        exchange = flight.exchange
-        flight.rows = exchange._take_rows(flight.slot, flight.plan)
-        exchange._send_rows(flight.slot, x_inner.detach())
-        return x_inner.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _grad_token):  # noqa: D102
-        grads, ctx.flight.stale_grads = ctx.flight.stale_grads, None
-        return grads, None
-
-
-class _LagReceive(torch.autograd.Function):
-    """Forward: this epoch's rows. Backward: collect the requesters' gradients, then send
-    this epoch's to the owners."""
-
-    @staticmethod
-    def forward(ctx, token, flight):  # noqa: D102
-        ctx.flight = flight
-        rows, flight.rows = flight.rows, None
+    def trade_rows(self, x_inner: Tensor) -> Tensor:
+        rows = self.exchange._take_rows(self.slot, self.plan)
+        self.exchange._send_rows(self.slot, x_inner)
         return rows
 
-    @staticmethod
-    def backward(ctx, grad_rows):  # noqa: D102
-        flight = ctx.flight
-        exchange = flight.exchange
-        flight.stale_grads = exchange._take_grads(flight.slot)
-        exchange._send_grads(flight.slot, grad_rows.contiguous())
-        return grad_rows.new_zeros(0), None
+    def trade_grads(self, grad_rows: Tensor) -> Tensor | None:
+        grads = self.exchange._take_grads(self.slot)
+        self.exchange._send_grads(self.slot, grad_rows.contiguous())
+        return grads

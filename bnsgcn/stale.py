@@ -135,9 +135,7 @@ class StaleExchange:
             flight = self.synchronous.start(x_inner, plan, slot, category)
             self._send_ahead(state, x_inner.detach(), category)
             return flight
-        flight = _StaleFlight(self, state, plan, x_inner.shape[0], category)
-        flight.token = _StaleSend.apply(x_inner, flight)
-        return flight
+        return _StaleFlight(self, state, plan, x_inner.shape[0], category).start(x_inner)
 
     def drain(self) -> None:
         """Wait for every transfer in flight (before a checkpoint, at the end of a run)."""
@@ -264,32 +262,65 @@ class StaleExchange:
                     setattr(target, name, entry[name].to(device))
 
 
-class _StaleFlight:
-    """One layer's stale exchange within an epoch (the object :meth:`StaleExchange.start` returns)."""
+class DelayedFlight:
+    """One layer's exchange within an epoch whose rows and gradients are not this epoch's
+    (stale here, lagged in :mod:`bnsgcn.lag`): forward takes the rows that arrived and sends
+    this epoch's (:meth:`trade_rows`), backward takes the gradients that arrived for this
+    rank's rows and sends this epoch's to their owners (:meth:`trade_grads`). Two autograd
+    functions carry that: a token from :class:`_DelayedSend` (``x_inner``'s side) to
+    :class:`_DelayedReceive` (the rows' side), so that backward reaches both."""
 
-    def __init__(self, exchange: StaleExchange, state: _Slot, plan: ExchangePlan, n_inner: int, category: str) -> None:
-        self.exchange, self.state, self.plan, self.n_inner, self.category = exchange, state, plan, n_inner, category
+    def __init__(self) -> None:
         self.token: Tensor | None = None
         self.rows: Tensor | None = None
         self.stale_grads: Tensor | None = None
 
+    def start(self, x_inner: Tensor) -> DelayedFlight:
+        self.token = _DelayedSend.apply(x_inner, self)
+        return self
+
     def wait(self) -> Tensor:
-        """This epoch's (stale) rows [plan.num_received, *row], autograd-connected."""
+        """This epoch's rows [plan.num_received, *row], autograd-connected."""
         token, self.token = self.token, None  # no reference cycle (see InFlightRows.wait)
-        return _StaleReceive.apply(token, self)
+        return _DelayedReceive.apply(token, self)
+
+    def trade_rows(self, x_inner: Tensor) -> Tensor:
+        """The rows to aggregate now; sends ``x_inner`` (detached) on its way."""
+        raise NotImplementedError
+
+    def trade_grads(self, grad_rows: Tensor) -> Tensor | None:
+        """The gradients that arrived for ``x_inner`` [n_inner, *row] (None: none yet);
+        sends ``grad_rows``, this epoch's, to the owners."""
+        raise NotImplementedError
 
 
-class _StaleSend(torch.autograd.Function):
-    """Forward: take the rows that arrived for this epoch, send ``x_inner`` ahead; returns an
-    empty token carrying the gradient path to :class:`_StaleReceive`. Backward: the previous
-    epoch's gradients, which :class:`_StaleReceive`'s backward collected, into ``x_inner``."""
+class _StaleFlight(DelayedFlight):
+    """One layer's stale exchange within an epoch (the object :meth:`StaleExchange.start` returns)."""
+
+    def __init__(self, exchange: StaleExchange, state: _Slot, plan: ExchangePlan, n_inner: int, category: str) -> None:
+        super().__init__()
+        self.exchange, self.state, self.plan, self.n_inner, self.category = exchange, state, plan, n_inner, category
+
+    def trade_rows(self, x_inner: Tensor) -> Tensor:
+        rows = self.exchange._take_rows(self.state, self.plan)
+        self.exchange._send_ahead(self.state, x_inner, self.category)
+        return rows
+
+    def trade_grads(self, grad_rows: Tensor) -> Tensor | None:
+        grads = self.exchange._take_grads(self.state)  # frees their buffers
+        self.exchange._send_grads(self.state, self.plan, grad_rows)
+        return grads
+
+
+class _DelayedSend(torch.autograd.Function):
+    """Forward: the rows that arrived for this epoch, and ``x_inner`` sent on; returns an
+    empty token carrying the gradient path to :class:`_DelayedReceive`. Backward: the
+    gradients :class:`_DelayedReceive`'s backward collected, into ``x_inner``."""
 
     @staticmethod
     def forward(ctx, x_inner, flight):  # noqa: D102
         ctx.flight = flight
-        exchange, state = flight.exchange, flight.state
-        flight.rows = exchange._take_rows(state, flight.plan)
-        exchange._send_ahead(state, x_inner.detach(), flight.category)
+        flight.rows = flight.trade_rows(x_inner.detach())
         return x_inner.new_empty(0)
 
     @staticmethod
@@ -298,9 +329,9 @@ class _StaleSend(torch.autograd.Function):
         return grads, None
 
 
-class _StaleReceive(torch.autograd.Function):
-    """Forward: this epoch's stale rows. Backward: collect the previous epoch's gradients
-    (freeing their buffers), then send this epoch's to the owners."""
+class _DelayedReceive(torch.autograd.Function):
+    """Forward: this epoch's rows. Backward: collect the gradients that arrived, then send
+    this epoch's to the owners."""
 
     @staticmethod
     def forward(ctx, token, flight):  # noqa: D102
@@ -310,8 +341,5 @@ class _StaleReceive(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):  # noqa: D102
-        flight = ctx.flight
-        exchange = flight.exchange
-        flight.stale_grads = exchange._take_grads(flight.state)
-        exchange._send_grads(flight.state, flight.plan, grad_rows)
+        ctx.flight.stale_grads = ctx.flight.trade_grads(grad_rows)
         return grad_rows.new_zeros(0), None

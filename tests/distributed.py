@@ -48,6 +48,14 @@ def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed:
     return out
 
 
+def cora_metis(parts: int, out: Path) -> Path:
+    """The Cora of ../shared/data (public split), METIS into ``parts``, written to ``out``."""
+    from bnsgcn.partition.datasets import load_dataset
+
+    graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
+    return partition(graph, parts, out, method="metis")
+
+
 def graph_with_island(out: Path) -> Path:
     """A 4-part set whose partition 3 is a component of its own: no boundary node, and no
     other rank needs its rows (zero-sized splits in every all-to-all it takes part in)."""

@@ -209,6 +209,25 @@ def test_rank_killed_by_sigkill_ends_the_job_naming_it(tmp_path, parts):
     assert_all_gone(processes, run_dir)
 
 
+def assert_killed_rank_is_named(tmp_path: Path, args: list[str], started=None) -> None:
+    """Start the job, SIGKILL rank 1 once ``started()`` holds (default: the first epoch is in
+    metrics.jsonl), and check the job ends with status 128 + SIGKILL naming rank 1, leaving
+    no process behind."""
+    run_dir = Path(args[args.index("--out") + 1])
+    job = start([*TRAIN, *args], tmp_path, "job")
+    try:
+        wait_for(started or (lambda: last_epoch(run_dir) >= 1), job, START_S, "training under way")
+        processes = descendants(job.pid)
+        rank_process(processes, 1).kill()
+        job.wait(TIMEOUT_S + 30)
+    finally:
+        kill_job(job)
+    assert job.returncode == 128 + signal.SIGKILL
+    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
+    assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
+    assert_all_gone(processes, run_dir)
+
+
 def run_with_rank_one_hung(tmp_path: Path, args: list[str], timeout_s: float) -> tuple[subprocess.Popen, list[psutil.Process], float]:
     """Start the job, suspend rank 1 (SIGSTOP: alive but silent, as a hung rank) after the
     first epoch; return the ended job, its processes and seconds from the suspension to its end."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from bnsgcn.errors import UserError
 
 from .distributed import partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, last_epoch, rank_process, run_with_rank_one_hung, start, stderr_of, train_args, wait_for
+from .test_faults import assert_all_gone, assert_killed_rank_is_named, run_with_rank_one_hung, stderr_of, train_args
 
 WORLD = 3
 
@@ -147,19 +146,7 @@ LAG_FLAGS = ["--checkpoint-every", "0", "--staleness", "1", "--max-lag", "2", "-
 
 
 def test_rank_killed_ends_the_job_naming_it(tmp_path, parts2):
-    run_dir = tmp_path / "run"
-    job = start([*TRAIN, *train_args(parts2, run_dir, "--epochs", "100000", *LAG_FLAGS)], tmp_path, "job")
-    try:
-        wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
-        processes = descendants(job.pid)
-        rank_process(processes, 1).kill()
-        job.wait(TIMEOUT_S + 30)
-    finally:
-        kill_job(job)
-    assert job.returncode == 128 + signal.SIGKILL
-    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
-    assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
-    assert_all_gone(processes, run_dir)
+    assert_killed_rank_is_named(tmp_path, train_args(parts2, tmp_path / "run", "--epochs", "100000", *LAG_FLAGS))
 
 
 def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):

@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import random
 import re
-import signal
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -36,9 +35,9 @@ from bnsgcn.errors import UserError
 from bnsgcn.paramsync import find_partner
 from bnsgcn.straggler import InjectedDelay, check_world, parse_delays, parse_sync
 
-from .distributed import SHARED_DATA, free_port, partition, random_graph, run_ranks
+from .distributed import cora_metis, free_port, partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, last_epoch, rank_process, run_with_rank_one_hung, start, stderr_of, train_args, wait_for
+from .test_faults import assert_all_gone, assert_killed_rank_is_named, run_with_rank_one_hung, stderr_of, train_args
 
 MODES = ("grouped:2", "partial:2", "gossip:1")
 
@@ -235,14 +234,7 @@ CORA_TOLERANCE = 0.03
 
 @pytest.fixture(scope="module")
 def cora_parts(tmp_path_factory):
-    from bnsgcn.partition.datasets import load_dataset
-    from bnsgcn.partition.partitioner import assign, method_info
-    from bnsgcn.partition.writer import write_partition_set
-
-    graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
-    parts = tmp_path_factory.mktemp("cora") / "cora-4"
-    write_partition_set(graph, assign(graph, 4, method="metis", seed=0), parts, parts=4, method_info=method_info("metis", "cut", 0), progress=False)
-    return parts
+    return cora_metis(4, tmp_path_factory.mktemp("cora") / "cora-4")
 
 
 def cora_scores(parts, sync: str, out) -> list[float]:
@@ -274,19 +266,7 @@ def test_cora_accuracy_matches_synchronous_training(cora_parts, cora_sync_scores
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rank_killed_in_any_mode_ends_the_job_naming_it(tmp_path, parts2, mode):
-    run_dir = tmp_path / "run"
-    job = start([*TRAIN, *train_args(parts2, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode)], tmp_path, "job")
-    try:
-        wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
-        processes = descendants(job.pid)
-        rank_process(processes, 1).kill()
-        job.wait(TIMEOUT_S + 30)
-    finally:
-        kill_job(job)
-    assert job.returncode == 128 + signal.SIGKILL
-    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
-    assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
-    assert_all_gone(processes, run_dir)
+    assert_killed_rank_is_named(tmp_path, train_args(parts2, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode))
 
 
 @pytest.mark.parametrize("mode", ("partial:2", "gossip:1"))

@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -30,10 +28,10 @@ from bnsgcn.partition.partitioner import assign
 from bnsgcn.shard import load_shard
 from bnsgcn.workpool import merge_partitions, pool_order
 
-from .distributed import SHARED_DATA, partition, random_graph, run_ranks
+from .distributed import cora_metis, partition, random_graph, run_ranks
 from .reference import dense_adjacency, initial_params
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import START_S, TIMEOUT_S, assert_all_gone, descendants, kill_job, rank_process, start, stderr_of, train_args, wait_for
+from .test_faults import assert_killed_rank_is_named, train_args
 
 PARTS = 6
 
@@ -192,14 +190,7 @@ CORA_TOLERANCE = 0.015  # the issue's target (measured 2026-11-24: 0.2-0.4 point
 
 @pytest.fixture(scope="module")
 def cora8(tmp_path_factory):
-    from bnsgcn.partition.datasets import load_dataset
-    from bnsgcn.partition.partitioner import method_info
-    from bnsgcn.partition.writer import write_partition_set
-
-    graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
-    out = tmp_path_factory.mktemp("cora") / "cora-8"
-    write_partition_set(graph, assign(graph, 8, method="metis", seed=0), out, parts=8, method_info=method_info("metis", "cut", 0), progress=False)
-    return out
+    return cora_metis(8, tmp_path_factory.mktemp("cora") / "cora-8")
 
 
 CORA_SEEDS = (0, 1, 2)
@@ -254,19 +245,6 @@ def test_launcher_needs_ranks_and_enough_parts(parts6, tmp_path):
 def test_rank_killed_in_a_pool_job_is_named(parts6, tmp_path, sync):
     run_dir = tmp_path / "run"
     args = train_args(parts6, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--work-pool", "--sync", sync, "--eval-every", "50")
-    job = start([*TRAIN, *args], tmp_path, "job")
-    try:
-        # with a decoupled sync, metrics.jsonl is written at sync points only: the log says
-        # when setup is done
-        wait_for(lambda: (run_dir / "log.txt").exists() and "inner nodes" in (run_dir / "log.txt").read_text(), job, START_S, "setup done")
-        time.sleep(2)  # training under way
-        processes = descendants(job.pid)
-        rank_process(processes, 1).kill()
-        job.wait(TIMEOUT_S + 30)
-    finally:
-        kill_job(job)
-    assert job.returncode == 128 + signal.SIGKILL
-    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
-    assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
-    assert_all_gone(processes, run_dir)
-
+    # with a decoupled sync metrics.jsonl is written at sync points only: the log says when
+    # setup is done (and training starts)
+    assert_killed_rank_is_named(tmp_path, args, started=lambda: (run_dir / "log.txt").exists() and "inner nodes" in (run_dir / "log.txt").read_text())
