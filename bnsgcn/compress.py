@@ -48,6 +48,11 @@ class WireFormat:
         """Rows travel as they are (``none``)."""
         return self.name == "none"
 
+    @property
+    def draws_random_numbers(self) -> bool:
+        """Encoding rounds at random (int8, int4: stochastic rounding from torch's generator)."""
+        return self.name in _BITS
+
     def wire_shape(self, row: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of one encoded row of shape ``row``."""
         if self.name in ("none", *_CASTS):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .compress import WireFormat
 from .config import TrainConfig
 from .graph import EpochGraph
 from .kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
@@ -82,7 +83,9 @@ class GNN(nn.Module):
     it stays outside). A segment of layer ``l`` then keeps ``y_{l-1}`` [n_inner, d] (the
     previous layer's output) instead of ``h_{l-1}``, the norm's input and mask, and the
     aggregation ``A h`` its dense product needs: one activation per layer instead of about
-    four. The boundary rows a segment received are kept by the
+    four; the output layer shares the segment of the layer before it (its recomputation
+    costs next to nothing), so ``L >= 3`` layers keep ``L - 2`` activations (``L - 1``
+    with int8/int4 rows, whose rounding draws random numbers between the two layers). The boundary rows a segment received are kept by the
     :class:`~bnsgcn.graph.EpochGraph` and handed out again when it is recomputed, so rows
     cross the network once per layer and direction, as without ``remat``.
     ``kept_for_recompute`` lists the segment inputs of the last training pass (the memory
@@ -93,6 +96,10 @@ class GNN(nn.Module):
         super().__init__()
         self.dropout = config.dropout
         self.remat = config.remat
+        # the output layer may share the segment before it only when nothing between the two
+        # draws random numbers that its recomputation would not draw again: the stochastic
+        # rounding of int8/int4 rows does, and replayed rows are not rounded again
+        self.merge_output_segment = config.remat and not WireFormat(config.compress).draws_random_numbers
         self.activation = F.elu if config.model == "gat" else F.relu
         self.layers = nn.ModuleList()
         self.norms = nn.ModuleList()
@@ -126,10 +133,15 @@ class GNN(nn.Module):
             # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
             g.keep_rows(frozenset(i for i, cheap in enumerate(always) if self.remat or cheap))
         h = self._segment(g, self._first_layer, x, x_agg, g)
+        last = len(self.layers) - 1
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
                 h = self._segment(g, self._layer, self._between_layers(norm, h), i, g, None, always=always[i])
+            elif self.merge_output_segment and i == last - 1 and not isinstance(self.norms[last - 1], SyncBatchNorm):
+                # the output layer joins the segment before it: its recomputation is cheap,
+                # and the segment keeps y_{L-3} instead of also y_{L-2}
+                return self._segment(g, self._last_two_layers, h, i, g, norm)
             else:
                 h = self._segment(g, self._layer, h, i, g, norm, always=always[i])
         return h
@@ -151,6 +163,10 @@ class GNN(nn.Module):
     def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
         return self.layers[i](y if norm is None else self._between_layers(norm, y), g)
+
+    def _last_two_layers(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module) -> Tensor:
+        """Layer ``i`` and the output layer ``i + 1``, each with the step before it."""
+        return self._layer(self._layer(y, i, g, norm), i + 1, g, self.norms[i])
 
     def _segment(self, g: EpochGraph, fn: Callable[..., Tensor], *args, always: bool = False) -> Tensor:
         """``fn(*args)``, as a recomputed segment when training with ``remat`` (or ``always``)."""

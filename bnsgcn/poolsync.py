@@ -10,7 +10,8 @@ A pool step leaves each rank with the gradient of its partition's summed loss. T
   rank. The pool hands indices out in order, so once a rank finds it empty every later
   take does too: a round in which fewer partitions than ranks were taken is the epoch's last.
 * ``grouped:G[:N]``: the same rounds inside each speed group (formed in the first round from
-  the ranks' busy seconds, as without a pool). Every ``G`` rounds a group's leader publishes
+  the ranks' busy seconds, as without a pool, less the time of building the partition's
+  graph, which a rank does once per partition). Every ``G`` rounds a group's leader publishes
   its parameters in the store, takes the mean of the newest parameters every leader has
   published (its own included) and broadcasts it in its group: g-ARPS (REFERENCE.md
   section 5). No leader waits for another group, which may have run out of partitions.
@@ -49,6 +50,10 @@ class PoolSync:
 
     def start_epoch(self) -> None:
         """Before the epoch's first take."""
+
+    def not_busy(self, seconds: float) -> None:
+        """``seconds`` of this step were not the rank's speed (building a partition's graph,
+        once): speed groups leave them out."""
 
     def finish_round(self, num_train: int, took: bool) -> tuple[bool, bool]:
         """Lockstep modes, after backward (gradients of the summed loss, zero when nothing
@@ -92,6 +97,9 @@ class PoolGrouped(PoolSync, Grouped):
     """``grouped:G[:N]`` with a pool (see the module)."""
 
     lockstep = True
+
+    def not_busy(self, seconds: float) -> None:
+        self.mark += seconds
 
     def finish_round(self, num_train: int, took: bool) -> tuple[bool, bool]:
         self.busy = time.perf_counter() - self.mark

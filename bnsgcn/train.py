@@ -423,7 +423,9 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             if job.delay:  # a slow machine, emulated: slower at every piece of work
                 with account.timed("injected_delay"):
                     job.delay.sleep()
+            building = time.perf_counter()
             inputs = pool.inputs(taken[1])
+            sync.not_busy(time.perf_counter() - building)  # a partition's graph is built once
             num_train = inputs.num_train
             # dropout drawn per partition and epoch: a step does not depend on the rank taking it
             torch.manual_seed(derive_seed(job.config.seed, taken[1], epoch, 1))
