@@ -808,18 +808,23 @@ def check_args(args: argparse.Namespace) -> None:
         parse_rate(link)
 
 
+def show_saved(result: Path, render, figure) -> int:
+    """``--render``: the tables of a saved result on stdout, its figure drawn again."""
+    document = json.loads(result.read_text())
+    print(render(document))
+    path = figure(document, result.with_suffix(""))
+    if path:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after it: flags for bnsgcn-train
     args, extra = build_parser().parse_args(argv[:split]), tuple(argv[split + 1:])
     try:
         if args.render:
-            document = json.loads(args.render.read_text())
-            print(render(document))
-            path = figure(document, args.render.with_suffix(""))
-            if path:
-                print(f"wrote {path}", file=sys.stderr)
-            return 0
+            return show_saved(args.render, render, figure)
         check_args(args)
         runs = plan(args, extra)
         work = args.work or Path(tempfile.gettempdir()) / "bnsgcn-cluster"

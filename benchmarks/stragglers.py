@@ -523,12 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        document = json.loads(args.render.read_text())
-        print(render(document))
-        path = figure(document, args.render.with_suffix(""))
-        if path:
-            print(f"wrote {path}", file=sys.stderr)
-        return 0
+        return cluster.show_saved(args.render, render, figure)
     setting = QUICK if args.quick else FULL
     runs = plan(setting, tuple(args.seeds))
     if args.only:
