@@ -615,17 +615,20 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
         r = x.dtype.type(1) / np.sqrt(squares / d + eps)
         mean[i], rstd[i] = mu, r
         word = np.uint64(first_word + i * words_per_row)
-        for w in range(words_per_row):  # four 16-bit fields of one draw per four elements
-            # Without dropout (threshold 0) every field is kept: no draw needed.
-            bits = _splitmix64(seed, word + np.uint64(w)) if threshold else np.uint64(0)
-            for t in range(4):  # a fixed trip count: unrolled; the last word may run past d
-                j = 4 * w + t
-                if j < d:
-                    y = (row[j] - mu) * r * weight[j] + bias[j]
-                    kept = ((bits >> np.uint64(16 * t)) & low16) >= threshold and y > 0
-                    if kept:  # one bit per element (keep starts zeroed)
-                        keep[i, j >> 3] |= np.uint8(1 << (j & 7))
-                    out[i, j] = y * scale * kept
+        for b in range(keep.shape[1]):  # one mask byte: two draws of four 16-bit fields
+            packed = 0
+            for half in range(2):
+                w = 2 * b + half
+                # Without dropout (threshold 0) every field is kept: no draw needed.
+                bits = _splitmix64(seed, word + np.uint64(w)) if threshold and w < words_per_row else np.uint64(0)
+                for t in range(4):  # a fixed trip count: unrolled; the last byte may run past d
+                    j = 4 * w + t
+                    if j < d:
+                        y = (row[j] - mu) * r * weight[j] + bias[j]
+                        kept = ((bits >> np.uint64(16 * t)) & low16) >= threshold and y > 0
+                        packed |= int(kept) << (4 * half + t)
+                        out[i, j] = y * scale * kept
+            keep[i, b] = packed
 
 
 @_row_parallel(fastmath=_FASTMATH)
@@ -646,12 +649,19 @@ def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, d
     n, d = x.shape
     dy = np.empty(d, dtype=x.dtype)
     xhat = np.empty(d, dtype=x.dtype)
+    mask = np.empty(d, dtype=x.dtype)  # the row's mask bits as 0 / 1 in x's precision
     for i in range(n):
         mu, r = mean[i], rstd[i]
         mean_dxhat = x.dtype.type(0)
         mean_dxhat_xhat = x.dtype.type(0)
+        for b in range(keep.shape[1]):  # unpack the row's mask once
+            packed = keep[i, b]
+            for t in range(8):
+                j = 8 * b + t
+                if j < d:
+                    mask[j] = (packed >> t) & 1
         for j in range(d):
-            g = dout[i, j] * scale * x.dtype.type((keep[i, j >> 3] >> (j & 7)) & 1)  # in x's precision, as with a byte mask
+            g = dout[i, j] * scale * mask[j]
             h = (x[i, j] - mu) * r
             dy[j], xhat[j] = g, h
             dweight[j] += g * h
