@@ -1,0 +1,528 @@
+r"""Epoch time against the machine's floor: a roofline measured here, the epoch's floor
+computed from it, and a training run's phases side by side with their floors.
+
+One invocation, on the machine it runs on:
+
+1. **Roofline, one thread** (``torch.set_num_threads(1)``, a rank's case):
+
+   * GEMM rate :math:`\Phi(\text{kind}, d_{in}, d_{out})` in FLOP/s for every dense product
+     of the model at the rows it runs on (the largest rank's inner nodes; GraphSAGE
+     multiplies inner rows only: boundary rows arrive aggregated or already multiplied),
+     each kind as torch runs it: forward ``addmm(b, X, W^T)`` [n, d_in] -> [n, d_out],
+     gradient of the input ``dY W`` and of the weight ``dY^T X``, each into an output
+     allocated once (a fresh output costs page faults: up to half the rate here, which
+     the floor leaves to the engine's excess); each does :math:`2 n d_{in} d_{out}` FLOPs;
+     best of ``--repeat`` timed runs.
+   * Gather bandwidth :math:`G(w)` in bytes/s: rows of a float32 [N, w] matrix
+     (N = the largest rank's inner + boundary rows) read by uniform random int32 index,
+     each summed into one accumulator row that stays in cache (so only the gathered bytes
+     move), two rows per pass with the row eight entries ahead prefetched, as the engine's
+     sparse product does; as many rows as that rank's adjacency has entries; for each
+     width w the model aggregates.
+   * Copy bandwidth :math:`B` in bytes/s: a 256 MiB ``copy_``, bytes read + written
+     (:func:`benchmarks.kernels.copy_bandwidth`).
+
+2. **Floor of one training step of one rank** (GraphSAGE, mean aggregation, first layer's
+   aggregation precomputed, layer norm, ReLU, dropout, Adam; f = 4 bytes per float).
+   Widths :math:`d_0 = F, d_1 .. d_{L-1} = H, d_L = C`; layer l maps :math:`d_l \to d_{l+1}`.
+   Per rank: n inner nodes, :math:`N_b` boundary nodes, :math:`e_i` adjacency entries in
+   inner columns, :math:`e_b` in boundary columns, t training nodes; from the run's
+   report (steady-state medians): b boundary rows received per epoch (the sample),
+   :math:`S` feature bytes sent and :math:`R` gradient bytes received per epoch. The
+   sampled product has :math:`e = e_i + e_b\,b/N_b` entries (expected).
+
+   * GEMMs, each :math:`2 n d_l d_{l+1}` FLOPs over :math:`\Phi` of its kind and shape:
+     forward two per layer (self and neighbour weights); backward two weight gradients
+     per layer and two input gradients per layer l >= 1 (layer 0's input needs none).
+   * Sparse products, layers l >= 1, aggregating :math:`w_l = \min(d_l, d_{l+1})` columns
+     (the engine aggregates before multiplying when :math:`d_l \le d_{l+1}`, after
+     otherwise), each entry's source row gathered once and each output row written once,
+     plus the int32 column id of each entry, over :math:`G(w_l)`:
+
+     .. math:: \text{forward: } f(e w_l + n w_l) + 4e, \qquad
+               \text{backward } (A^\top dY)\text{: } f(e w_l + (n + b) w_l) + 4e
+
+   * Elementwise passes, bytes read + written over :math:`B` (m = 1/8 byte, one bit,
+     per dropout mask element); forward: the input dropout of x and of the precomputed
+     aggregation :math:`2(2f + m) n F`, each hidden step (layer norm, ReLU, dropout in one
+     pass) :math:`(2f + m) n H`, boundary rows packed to send :math:`2S`, the loss reading
+     the training rows' logits :math:`f t C`; backward: the loss gradient :math:`2 f t C`,
+     each hidden step :math:`(3f + m) n H` (read dY, its input and mask, write dX), the
+     received gradients added into the owner's rows :math:`3R` (read them, read and write
+     the rows).
+   * Optimizer (the "other" phase): Adam and zeroing the gradients,
+     :math:`8 f P` bytes over :math:`B` for P parameters.
+   * No floor (0) for sampling, the boundary exchange and the gradient all-reduce: the
+     floor counts the model's arithmetic and the bytes it must touch, not communication
+     or bookkeeping; all of their time is above it. Nothing is computed twice: the floor
+     assumes forward keeps what backward needs (the engine recomputes some of it to save
+     memory).
+
+   Forward floor = GEMMs + sparse + elementwise of forward, likewise backward; the
+   epoch's floor is forward + backward + optimizer.
+
+3. **Measured**: ``bnsgcn-train`` on the partition set, one rank per part, one thread
+   each, the model above, for each ``--p``; each rank's steady-state medians from the
+   run's ``report.json`` (the first two epochs left out), split into the phases of
+   :data:`PHASES`: sampling; exchange (waits for selections, boundary rows and their
+   gradients); forward and backward compute (the passes less those waits); reduction
+   (gradient all-reduce); other (the optimizer step and bookkeeping: the median epoch
+   less the medians of the parts, at least 0, so it also holds the difference between a
+   median of sums and a sum of medians). The table is the slowest rank's (largest sum of
+   phases), against that rank's floor; ratio = measured / floor (none where the floor is
+   0), above floor = measured - floor; the epoch is the sum of the phases. The issue's
+   target: epoch <= 1.25 x floor. For comparison, each run also gives the job's epoch as
+   ``metrics.jsonl`` has it: the slowest rank's, median over the epochs after the first
+   that do not evaluate (:func:`benchmarks.suite.read_train_run`). ``--epochs`` is odd, so
+   that each median is one epoch's figure (of an even count it would be the mean of two,
+   which mixes a quiet and a disturbed epoch on a shared machine). Each run records how
+   much CPU time other processes used meanwhile (``/proc/stat`` less the run's own), as
+   a share of the machine's cores: above a few percent, the run was disturbed; so does
+   the roofline's measurement.
+
+Writes ``--out`` (JSON, atomically) and prints the tables::
+
+    python benchmarks/roofline.py --parts-dir PARTS --out benchmarks/results/roofline.json
+    python benchmarks/roofline.py --quick     # a tiny synthetic graph, under a minute
+"""
+
+from __future__ import annotations
+
+import os
+
+# As bnsgcn-train does for its ranks (torch reads it at its first allocation): the
+# roofline is measured under the memory layout the engine runs with.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import argparse  # noqa: E402
+import resource  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from datetime import date  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TypeVar  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable as a script from a checkout
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.kernels import FLOAT_BYTES, best_times, copy_bandwidth  # noqa: E402
+from benchmarks.suite import execute, machine, read_train_run, write_json  # noqa: E402
+from bnsgcn import report  # noqa: E402
+from bnsgcn.errors import UserError  # noqa: E402
+from bnsgcn.format import read_manifest  # noqa: E402
+from bnsgcn.kernels.numba_backend import _PREFETCH_DISTANCE, _prefetch_row  # noqa: E402
+from bnsgcn.shard import load_shard  # noqa: E402
+
+INDEX_BYTES = 4  # int32 column ids
+MASK_BYTES = 1 / 8  # one bit per dropout mask element (as the engine's fused step keeps it)
+LAYERS, HIDDEN = 3, 128  # GraphSAGE 3 x 128, the issue's model
+TARGET_RATIO = 1.25  # issue 14: epoch <= 1.25 x the floor
+PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
+GEMM_KINDS = ("forward", "grad_input", "grad_weight")
+QUICK_SPEC = "synthetic:nodes=3000,degree=10,classes=16,features=128"
+RESULTS = REPO / "benchmarks" / "results"
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class RankGraph:
+    """What one rank's partition gives the floor: node, entry and training counts."""
+
+    rank: int
+    inner: int  # n
+    boundary: int  # N_b
+    inner_entries: int  # e_i (self-loops included)
+    boundary_entries: int  # e_b
+    train_nodes: int  # t
+    features: int  # F
+    classes: int  # C
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One rank's steady-state medians from a training run's report."""
+
+    measured_s: dict[str, float]  # phase -> seconds per epoch
+    sampled_boundary: float  # b: boundary rows received per epoch
+    sent_feature_bytes: float  # S
+    received_gradient_bytes: float  # R
+
+
+def read_rank_graphs(parts_dir: Path) -> list[RankGraph]:
+    """Every rank's counts, from the partition set (the arrays are memory-mapped)."""
+    manifest = read_manifest(parts_dir)
+    graphs = []
+    for part in range(len(manifest["partitions"])):
+        shard = load_shard(parts_dir, part, None)
+        topo = shard.topology
+        inner_entries = int((topo.indices < topo.n_inner).sum())
+        graphs.append(RankGraph(
+            rank=part, inner=topo.n_inner, boundary=topo.n_boundary, inner_entries=inner_entries,
+            boundary_entries=topo.nnz - inner_entries, train_nodes=int(shard.train_mask.sum()),
+            features=int(shard.features.shape[1]), classes=shard.num_classes,
+        ))
+    return graphs
+
+
+def layer_widths(features: int, classes: int) -> list[int]:
+    """d_0 .. d_L: the model's widths, input to output."""
+    return [features] + [HIDDEN] * (LAYERS - 1) + [classes]
+
+
+def aggregated_width(d_in: int, d_out: int) -> int:
+    """Columns a layer aggregates: before its product when d_in <= d_out, after otherwise."""
+    return min(d_in, d_out)
+
+
+def parameter_count(widths: list[int]) -> int:
+    """P: self and neighbour weights, bias, and a layer norm's weight and bias per hidden step."""
+    layers = sum(2 * d_in * d_out + d_out for d_in, d_out in zip(widths[:-1], widths[1:]))
+    return layers + sum(2 * d for d in widths[1:-1])
+
+
+# ------------------------------------------------------------------------------ roofline
+
+
+def gemm_seconds(kind: str, rows: int, d_in: int, d_out: int, repeat: int) -> float:
+    """Best time of one dense product of the model as torch runs it (see the module docstring),
+    into an output allocated once: the arithmetic, not the page faults of fresh memory."""
+    x, w, dy, bias = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out), torch.randn(d_out)
+    out = {"forward": torch.empty(rows, d_out), "grad_input": torch.empty(rows, d_in), "grad_weight": torch.empty(d_out, d_in)}[kind]
+    products = {
+        "forward": lambda: torch.addmm(bias, x, w.t(), out=out),
+        "grad_input": lambda: torch.mm(dy, w, out=out),
+        "grad_weight": lambda: torch.mm(dy.t(), x, out=out),
+    }
+    return best_times({kind: products[kind]}, repeat)[kind]
+
+
+@njit(fastmath=True)
+def _gather_rows_sum(matrix: np.ndarray, rows: np.ndarray, total: np.ndarray) -> None:
+    """``total += sum of matrix[rows[j]]``, two rows per pass, prefetching ahead (an even count)."""
+    count, width = rows.shape[0], matrix.shape[1]
+    for j in range(0, count - 1, 2):
+        if j + _PREFETCH_DISTANCE + 1 < count:
+            _prefetch_row(matrix, rows[j + _PREFETCH_DISTANCE], width)
+            _prefetch_row(matrix, rows[j + _PREFETCH_DISTANCE + 1], width)
+        first, second = matrix[rows[j]], matrix[rows[j + 1]]
+        for k in range(width):
+            total[k] += first[k] + second[k]
+
+
+def gather_bandwidth(rows: int, width: int, entries: int, repeat: int) -> dict:
+    """G(width): bytes/s of gathering ``entries`` random rows of a float32 [rows, width] matrix."""
+    generator = torch.Generator().manual_seed(width)
+    matrix = torch.randn(rows, width, generator=generator).numpy()
+    index = torch.randint(0, rows, (entries - entries % 2,), generator=generator, dtype=torch.int32).numpy()
+    total = np.zeros(width, dtype=np.float32)
+    seconds = best_times({"gather": lambda: _gather_rows_sum(matrix, index, total)}, repeat)["gather"]
+    gathered = index.size * width * FLOAT_BYTES
+    return {"width": width, "rows": rows, "entries": int(index.size), "seconds": seconds, "bytes_per_s": gathered / seconds}
+
+
+def measure_roofline(graphs: list[RankGraph], repeat: int) -> dict:
+    """GEMM rates for every (kind, d_in, d_out) of the model, gather and copy bandwidth; one thread."""
+    torch.set_num_threads(1)
+    largest = max(graphs, key=lambda g: g.inner + g.boundary)
+    widths = layer_widths(largest.features, largest.classes)
+    shapes = [(kind, d_in, d_out) for layer, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]))
+              for kind in GEMM_KINDS if layer > 0 or kind != "grad_input"]  # layer 0's input needs no gradient
+    gemms = []
+    for kind, d_in, d_out in dict.fromkeys(shapes):  # each distinct product once, in model order
+        seconds = gemm_seconds(kind, largest.inner, d_in, d_out, repeat)
+        gemms.append({"kind": kind, "rows": largest.inner, "d_in": d_in, "d_out": d_out, "seconds": seconds,
+                      "flop_per_s": 2 * largest.inner * d_in * d_out / seconds})
+    aggregated = sorted({aggregated_width(a, b) for a, b in zip(widths[1:-1], widths[2:])}, reverse=True)
+    entries = largest.inner_entries + largest.boundary_entries
+    gathers = [gather_bandwidth(largest.inner + largest.boundary, w, entries, repeat) for w in aggregated]
+    return {"threads": torch.get_num_threads(), "gemm": gemms, "gather": gathers, "copy_bytes_per_s": copy_bandwidth(repeat)}
+
+
+# ------------------------------------------------------------------------------ the floor
+
+
+def floor(graph: RankGraph, run: RunFigures, roofline: dict) -> dict:
+    """One rank's floor per phase and its parts (work and seconds), by the module docstring's model."""
+    rate = {(g["kind"], g["d_in"], g["d_out"]): g["flop_per_s"] for g in roofline["gemm"]}
+    gather = {g["width"]: g["bytes_per_s"] for g in roofline["gather"]}
+    copy = roofline["copy_bytes_per_s"]
+    widths = layer_widths(graph.features, graph.classes)
+    n, b, f = graph.inner, run.sampled_boundary, FLOAT_BYTES
+    entries = graph.inner_entries + graph.boundary_entries * (b / graph.boundary if graph.boundary else 0.0)
+
+    gemm = {"forward": 0.0, "backward": 0.0}
+    flops = {"forward": 0.0, "backward": 0.0}
+    sparse = {"forward": 0.0, "backward": 0.0}
+    sparse_bytes = {"forward": 0.0, "backward": 0.0}
+    for layer, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:])):
+        work = 2 * n * d_in * d_out
+        kinds = {"forward": ("forward",), "backward": ("grad_weight",) if layer == 0 else ("grad_weight", "grad_input")}
+        for direction, names in kinds.items():
+            for kind in names:  # self and neighbour weights: two products of each kind
+                flops[direction] += 2 * work
+                gemm[direction] += 2 * work / rate[(kind, d_in, d_out)]
+        if layer == 0:
+            continue  # aggregation precomputed
+        w = aggregated_width(d_in, d_out)
+        written = {"forward": n, "backward": n + b}
+        for direction, rows_out in written.items():
+            touched = f * (entries * w + rows_out * w) + INDEX_BYTES * entries
+            sparse_bytes[direction] += touched
+            sparse[direction] += touched / gather[w]
+
+    hidden_steps = len(widths) - 2
+    t, c, features = graph.train_nodes, graph.classes, graph.features
+    elementwise_bytes = {
+        "forward": 2 * (2 * f + MASK_BYTES) * n * features + hidden_steps * (2 * f + MASK_BYTES) * n * HIDDEN
+        + 2 * run.sent_feature_bytes + f * t * c,
+        "backward": 2 * f * t * c + hidden_steps * (3 * f + MASK_BYTES) * n * HIDDEN + 3 * run.received_gradient_bytes,
+    }
+    optimizer_bytes = 8 * f * parameter_count(widths)
+    seconds = {phase: 0.0 for phase in PHASES}
+    seconds["forward_compute"] = gemm["forward"] + sparse["forward"] + elementwise_bytes["forward"] / copy
+    seconds["backward_compute"] = gemm["backward"] + sparse["backward"] + elementwise_bytes["backward"] / copy
+    seconds["other"] = optimizer_bytes / copy
+    parts = {
+        f"{part}_{direction}": {"seconds": secs, unit: amount}
+        for direction in ("forward", "backward")
+        for part, secs, unit, amount in (
+            ("gemm", gemm[direction], "flops", flops[direction]),
+            ("sparse", sparse[direction], "bytes", sparse_bytes[direction]),
+            ("elementwise", elementwise_bytes[direction] / copy, "bytes", elementwise_bytes[direction]),
+        )
+    }
+    parts["optimizer"] = {"seconds": optimizer_bytes / copy, "bytes": optimizer_bytes}
+    return {"seconds": seconds, "parts": parts, "sampled_entries": entries}
+
+
+# ------------------------------------------------------------------------------ measured
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has used since boot (/proc/stat; None elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields[:8]) - idle - iowait) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds(who: int) -> float:
+    """CPU seconds of this process (``resource.RUSAGE_SELF``) or of its finished children and
+    their waited-for descendants (``resource.RUSAGE_CHILDREN``)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def with_machine_use(work: Callable[[], Result], who: int) -> tuple[Result, dict]:
+    """``work()`` and how busy the machine was meanwhile: wall seconds, the CPU seconds of
+    ``who`` (see :func:`own_cpu_seconds`) and of every other process (None without
+    /proc/stat), and the others' share of the machine's cores."""
+    busy_before, own_before, start = busy_cpu_seconds(), own_cpu_seconds(who), time.perf_counter()
+    result = work()
+    wall, own, busy_after = time.perf_counter() - start, own_cpu_seconds(who) - own_before, busy_cpu_seconds()
+    others = None if busy_before is None or busy_after is None else max(busy_after - busy_before - own, 0.0)
+    share = None if others is None else others / (wall * (os.cpu_count() or 1))
+    return result, {"wall_s": wall, "own_cpu_s": own, "other_processes_cpu_s": others, "other_processes_core_share": share}
+
+
+def train(parts_dir: Path, ranks: int, p: float, epochs: int, run_dir: Path, timeout_s: int) -> None:
+    """``bnsgcn-train`` with the issue's model, one thread per rank; a failed run raises."""
+    command = ["bnsgcn-train", "--parts-dir", str(parts_dir), "--procs", str(ranks), "--threads", "1", "--p", f"{p:g}",
+               "--model", "graphsage", "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--norm", "layer",
+               "--dropout", "0.5", "--epochs", str(epochs), "--eval-every", "0", "--out", str(run_dir)]
+    print(f"  {shlex.join(command)}", file=sys.stderr, flush=True)
+    error = execute(command, 1, timeout_s)[1]
+    if error is not None:
+        raise RuntimeError(f"bnsgcn-train failed at p = {p:g}:\n{error}")
+
+
+def read_run(run_dir: Path) -> list[RunFigures]:
+    """Each rank's steady-state phases and exchange figures from ``report.json``."""
+    figures = []
+    for rank in report.load(run_dir)["ranks"]:
+        split, per_epoch = rank["time_split"], rank["per_epoch"]
+        measured = {
+            "sampling": split["sampling"],
+            "exchange": split["exchange_selections"] + split["exchange_forward"] + split["exchange_backward"],
+            "forward_compute": split["compute_forward"],
+            "backward_compute": split["compute_backward"],
+            "reduction": split["reduction"],
+            "other": split["other"],
+        }
+        figures.append(RunFigures(measured, per_epoch["sampled_boundary"], per_epoch["sent_features"], per_epoch["received_gradients"]))
+    return figures
+
+
+def row(phase: str, measured: float, floor_s: float) -> dict:
+    """A line of the table: measured and floor seconds, their ratio (None for a floor of 0), the excess."""
+    return {"phase": phase, "measured_s": measured, "floor_s": floor_s, "ratio": measured / floor_s if floor_s > 0 else None,
+            "above_floor_s": measured - floor_s}
+
+
+def compare(graphs: list[RankGraph], runs: list[RunFigures], roofline: dict) -> dict:
+    """Per rank measured and floor; the slowest rank's table and its epoch against its floor."""
+    per_rank = []
+    for graph, run in zip(graphs, runs):
+        rank_floor = floor(graph, run, roofline)
+        per_rank.append({"rank": graph.rank, "measured_s": run.measured_s, "floor_s": rank_floor["seconds"],
+                         "floor_parts": rank_floor["parts"], "sampled_boundary": run.sampled_boundary,
+                         "sampled_entries": rank_floor["sampled_entries"]})
+    slowest = max(per_rank, key=lambda r: sum(r["measured_s"].values()))
+    table = [row(phase, slowest["measured_s"][phase], slowest["floor_s"][phase]) for phase in PHASES]
+    epoch = row("epoch", sum(r["measured_s"] for r in table), sum(r["floor_s"] for r in table))
+    return {"slowest_rank": slowest["rank"], "phases": table, "epoch": epoch, "target_met": epoch["ratio"] <= TARGET_RATIO,
+            "ranks": per_rank}
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def format_share(value: float | None) -> str:
+    return "an unknown share" if value is None else f"{100 * value:.0f}%"
+
+
+def format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def work_amount(part: dict) -> str:
+    """A floor part's work: GFLOP for products, GB for bytes touched."""
+    return f"{part['flops'] / 1e9:.2f} GFLOP" if "flops" in part else f"{part['bytes'] / 1e9:.3f} GB"
+
+
+def render(document: dict) -> str:
+    """The roofline and, per p, the slowest rank's phases against their floors (markdown)."""
+    roof = document["roofline"]
+    lines = [f"{document['date']}, {document['machine']['cpu_model']}, {document['machine']['cores']} cores; "
+             f"roofline on {roof['threads']} thread", "", "| product | rows x d_in -> d_out | GFLOP/s |", "|---|---|---|"]
+    lines += [f"| {g['kind']} | {g['rows']} x {g['d_in']} -> {g['d_out']} | {g['flop_per_s'] / 1e9:.1f} |" for g in roof["gemm"]]
+    lines += [f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | {g['bytes_per_s'] / 1e9:.1f} GB/s |" for g in roof["gather"]]
+    lines += [f"| copy | 256 MiB | {roof['copy_bytes_per_s'] / 1e9:.1f} GB/s |", "",
+              f"other processes used {format_share(roof['machine_use']['other_processes_core_share'])} of the cores meanwhile", ""]
+    for run in document["runs"]:
+        lines += [f"p = {run['p']:g}, rank {run['slowest_rank']} (the slowest):", "",
+                  "| phase | measured (s) | floor (s) | ratio | above floor (s) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} | {r['above_floor_s']:.3f} |"
+                  for r in run["phases"] + [run["epoch"]]]
+        verdict = "met" if run["target_met"] else "not met"
+        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: {verdict} ({format_ratio(run['epoch']['ratio'])}); "
+                  f"epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; "
+                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
+                  "| floor part | work | floor (s) |", "|---|---|---|"]
+        parts = next(r for r in run["ranks"] if r["rank"] == run["slowest_rank"])["floor_parts"]
+        lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python benchmarks/roofline.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts-dir", type=Path, help="partition set to train on (one rank per part)")
+    parser.add_argument("--quick", action="store_true", help=f"partition and train a tiny graph instead ({QUICK_SPEC})")
+    parser.add_argument("--p", type=float, nargs="+", default=[1.0, 0.1], help="sampling probabilities to run (default 1 0.1)")
+    parser.add_argument("--epochs", type=int, help="epochs per run, odd and >= 5 (default 9; --quick 5)")
+    parser.add_argument("--repeat", type=int, help="timed runs per roofline measurement, best kept (default 10; --quick 2)")
+    parser.add_argument("--work", type=Path, help="keep partition sets and run directories here (default: a temporary directory)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a training run may take (default 1800)")
+    parser.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/roofline.json; --quick: roofline-quick.json)")
+    args = parser.parse_args(argv)
+    if args.quick == (args.parts_dir is not None):
+        raise UserError("pass either --parts-dir PARTS or --quick")
+    args.out = args.out or RESULTS / ("roofline-quick.json" if args.quick else "roofline.json")
+    args.epochs = args.epochs if args.epochs is not None else (5 if args.quick else 9)
+    args.repeat = args.repeat if args.repeat is not None else (2 if args.quick else 10)
+    if args.epochs < 5 or args.epochs % 2 == 0:
+        raise UserError(f"--epochs {args.epochs}: pass an odd number, 5 or more (the report's medians leave out 2 warm-up epochs; "
+                        "over an odd count each is one epoch's figure, and the last epoch, which evaluates, is never it)")
+    if args.repeat < 1 or args.timeout < 1:
+        raise UserError("--repeat and --timeout must be >= 1; pass a positive number")
+    bad = [p for p in args.p if not 0 < p <= 1]
+    if bad:
+        raise UserError(f"--p {bad[0]:g}: pass probabilities in (0, 1]")
+    return args
+
+
+def partition_quick(work: Path, timeout_s: int) -> Path:
+    """The quick graph in two parts, made by ``bnsgcn-partition``."""
+    parts_dir = work / "parts-quick"
+    error = execute(["bnsgcn-partition", QUICK_SPEC, "--parts", "2", "--out", str(parts_dir), "--force"], 1, timeout_s)[1]
+    if error is not None:
+        raise RuntimeError(f"bnsgcn-partition failed:\n{error}")
+    return parts_dir
+
+
+def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
+    """Roofline, then each p's run against the floor; the result document."""
+    load_before = os.getloadavg()[0]
+    parts_dir = partition_quick(work, args.timeout) if args.quick else args.parts_dir
+    graphs = read_rank_graphs(parts_dir)
+    print("measuring the roofline (one thread) ...", file=sys.stderr, flush=True)
+    roofline, roofline_use = with_machine_use(lambda: measure_roofline(graphs, args.repeat), resource.RUSAGE_SELF)
+    roofline["machine_use"] = roofline_use
+    runs = []
+    for p in args.p:
+        print(f"training at p = {p:g} ...", file=sys.stderr, flush=True)
+        run_dir = work / f"run-p{p:g}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation
+        _, machine_use = with_machine_use(lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN)
+        runs.append({"p": p, "epoch_wall_s": read_train_run(run_dir)["epoch_time_s"], "machine_use": machine_use,
+                     **compare(graphs, read_run(run_dir), roofline)})
+    return {
+        "date": date.today().isoformat(),
+        "command": command,
+        "machine": machine() | {"cpu_model": cpu_model(), "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                                "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "config": {"parts_dir": str(parts_dir), "quick": args.quick, "ranks": len(graphs), "threads_per_rank": 1,
+                   "model": f"graphsage {LAYERS} x {HIDDEN}, first layer precomputed, layer norm, dropout 0.5",
+                   "epochs": args.epochs, "repeat": args.repeat, "ps": args.p},
+        "target_ratio": TARGET_RATIO,
+        "graph": [asdict(g) for g in graphs],
+        "roofline": roofline,
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = "python benchmarks/roofline.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        with tempfile.TemporaryDirectory(prefix="bnsgcn-roofline-") as scratch:
+            document = run_benchmark(args, args.work or Path(scratch), command)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(render(document))
+    write_json(args.out, document)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

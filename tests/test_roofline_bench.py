@@ -1,0 +1,122 @@
+"""The roofline benchmark (benchmarks/roofline.py): the floor's arithmetic, its quick run end to
+end, and its answers to bad input. The measured table on the reference graph is in
+docs/benchmarks.md ("Roofline: the epoch against the machine's floor")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import roofline as rl
+
+REPO = Path(__file__).resolve().parents[1]
+GIGA = 1e9
+
+
+def flat_roofline(widths: list[int]) -> dict:
+    """Every GEMM at 1 GFLOP/s, every gather at 1 GB/s, copies at 2 GB/s: seconds = work / rate."""
+    gemms = [{"kind": kind, "d_in": a, "d_out": b, "flop_per_s": GIGA} for a, b in zip(widths[:-1], widths[1:]) for kind in rl.GEMM_KINDS]
+    gathers = [{"width": w, "bytes_per_s": GIGA} for w in set(widths[1:])]
+    return {"gemm": gemms, "gather": gathers, "copy_bytes_per_s": 2 * GIGA}
+
+
+def test_floor_counts_the_model_work_by_the_documented_formulas():
+    n, nb, ei, eb, t, feat, c = 1000, 400, 9000, 2000, 600, 64, 8
+    graph = rl.RankGraph(rank=0, inner=n, boundary=nb, inner_entries=ei, boundary_entries=eb, train_nodes=t, features=feat, classes=c)
+    b = 100  # a quarter of the boundary sampled: a quarter of its entries expected
+    run = rl.RunFigures(measured_s={}, sampled_boundary=b, sent_feature_bytes=5_000.0, received_gradient_bytes=7_000.0)
+    h = rl.HIDDEN
+    widths = [feat, h, h, c]
+    result = rl.floor(graph, run, flat_roofline(widths))
+    parts, f, e = result["parts"], 4, ei + eb * b / nb
+    assert result["sampled_entries"] == pytest.approx(e)
+
+    products = [feat * h, h * h, h * c]  # d_in * d_out of each layer
+    assert parts["gemm_forward"]["flops"] == pytest.approx(sum(2 * 2 * n * p for p in products))
+    # weight gradients everywhere, input gradients from layer 1 on
+    assert parts["gemm_backward"]["flops"] == pytest.approx(2 * 2 * n * products[0] + sum(4 * 2 * n * p for p in products[1:]))
+    aggregated = [h, c]  # layer 1 aggregates first (128 -> 128), layer 2 multiplies first (128 -> 16)
+    assert parts["sparse_forward"]["bytes"] == pytest.approx(sum(f * (e * w + n * w) + 4 * e for w in aggregated))
+    assert parts["sparse_backward"]["bytes"] == pytest.approx(sum(f * (e * w + (n + b) * w) + 4 * e for w in aggregated))
+    # a float read and written per element, one mask bit written (forward) or read (backward)
+    assert parts["elementwise_forward"]["bytes"] == pytest.approx(2 * 8.125 * n * feat + 2 * 8.125 * n * h + 2 * 5_000 + f * t * c)
+    assert parts["elementwise_backward"]["bytes"] == pytest.approx(2 * f * t * c + 2 * 12.125 * n * h + 3 * 7_000)
+    params = 2 * feat * h + h + 2 * h * h + h + 2 * h * c + c + 2 * (2 * h)
+    assert parts["optimizer"]["bytes"] == pytest.approx(8 * f * params)
+
+    seconds = result["seconds"]
+    assert set(seconds) == set(rl.PHASES)
+    assert seconds["forward_compute"] == pytest.approx(
+        parts["gemm_forward"]["flops"] / GIGA + parts["sparse_forward"]["bytes"] / GIGA + parts["elementwise_forward"]["bytes"] / (2 * GIGA))
+    assert seconds["other"] == pytest.approx(parts["optimizer"]["bytes"] / (2 * GIGA))
+    assert seconds["sampling"] == seconds["exchange"] == seconds["reduction"] == 0.0
+
+
+def test_quick_run_writes_a_complete_consistent_table(tmp_path):
+    out = tmp_path / "roofline.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline.py"), "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| epoch |" in done.stdout
+    document = json.loads(out.read_text())
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left behind
+
+    assert document["date"] and document["machine"]["cpu_model"]
+    roof = document["roofline"]
+    assert roof["threads"] == 1
+    # every distinct product the model runs, once: 128 -> 128 (layers 0 and 1) and 128 -> 16, each kind
+    assert sorted((g["kind"], g["d_in"], g["d_out"]) for g in roof["gemm"]) == sorted((k, 128, d) for d in (128, 16) for k in rl.GEMM_KINDS)
+    assert all(g["flop_per_s"] > 0 for g in roof["gemm"])
+    assert sorted(g["width"] for g in roof["gather"]) == [16, 128] and all(g["bytes_per_s"] > 0 for g in roof["gather"])
+    assert roof["copy_bytes_per_s"] > 0
+    use = roof["machine_use"]
+    assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
+
+    assert [run["p"] for run in document["runs"]] == [1.0, 0.1]
+    for run in document["runs"]:
+        assert [r["phase"] for r in run["phases"]] == list(rl.PHASES)
+        for r in run["phases"] + [run["epoch"]]:
+            assert r["measured_s"] >= 0 and r["floor_s"] >= 0
+            assert r["above_floor_s"] == pytest.approx(r["measured_s"] - r["floor_s"])
+            if r["floor_s"] > 0:
+                assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"])
+            else:
+                assert r["ratio"] is None
+        epoch = run["epoch"]
+        assert epoch["floor_s"] > 0 and epoch["measured_s"] > 0
+        assert epoch["measured_s"] == pytest.approx(sum(r["measured_s"] for r in run["phases"]))
+        assert epoch["floor_s"] == pytest.approx(sum(r["floor_s"] for r in run["phases"]))
+        assert run["target_met"] == (epoch["ratio"] <= rl.TARGET_RATIO)
+        assert run["epoch_wall_s"] > 0
+        use = run["machine_use"]
+        assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
+
+        ranks = {r["rank"]: r for r in run["ranks"]}
+        assert sorted(ranks) == [0, 1]
+        slowest = ranks[run["slowest_rank"]]
+        assert all(sum(slowest["measured_s"].values()) >= sum(r["measured_s"].values()) for r in ranks.values())
+        parts = slowest["floor_parts"]
+        for direction in ("forward", "backward"):
+            table_floor = next(r["floor_s"] for r in run["phases"] if r["phase"] == f"{direction}_compute")
+            assert table_floor == pytest.approx(sum(parts[f"{kind}_{direction}"]["seconds"] for kind in ("gemm", "sparse", "elementwise")))
+        assert 0 < slowest["sampled_boundary"] <= document["graph"][run["slowest_rank"]]["boundary"]
+    p1, p01 = document["runs"]
+    assert p01["ranks"][0]["sampled_boundary"] < p1["ranks"][0]["sampled_boundary"]  # p shrinks the sample
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts-dir", "/nonexistent/parts"], "is not a partition set"),
+    (["--quick", "--p", "0"], "--p 0: pass probabilities in (0, 1]"),
+    (["--quick", "--epochs", "3"], "--epochs 3: pass an odd number, 5 or more"),
+    (["--quick", "--epochs", "6"], "--epochs 6: pass an odd number, 5 or more"),
+    ([], "pass either --parts-dir PARTS or --quick"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    assert rl.main(argv + ["--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "r.json").exists()
