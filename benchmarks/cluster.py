@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import date
@@ -808,6 +808,27 @@ def check_args(args: argparse.Namespace) -> None:
         parse_rate(link)
 
 
+def on_cluster(work: Callable[[], dict], namespaces: bool = True) -> dict | int:
+    """``work()`` (which builds emulated clusters) with the checks and signal handling it
+    needs; its result, or the exit status after a bad input (2, one line), Ctrl-C (130) or
+    SIGTERM/SIGHUP (128 + signal), the clusters removed on the way out."""
+    try:
+        if namespaces:
+            check_requirements()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, _raise_interrupted)
+        return work()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; the emulated cluster (if any) was removed", file=sys.stderr)
+        return 130
+    except Interrupted as exc:
+        print(f"stopped by {exc}; the emulated cluster was removed", file=sys.stderr)
+        return 128 + exc.signum
+
+
 def show_saved(result: Path, render, figure) -> int:
     """``--render``: the tables of a saved result on stdout, its figure drawn again."""
     document = json.loads(result.read_text())
@@ -831,19 +852,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_plan(runs, work)
             return 0
-        check_requirements()
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _raise_interrupted)
-        document = benchmark(runs, work, args.out, "python -m benchmarks.cluster " + shlex.join(argv), args.timeout)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; the emulated cluster was removed", file=sys.stderr)
-        return 130
-    except Interrupted as exc:
-        print(f"stopped by {exc}; the emulated cluster was removed", file=sys.stderr)
-        return 128 + exc.signum
+    document = on_cluster(lambda: benchmark(runs, work, args.out, "python -m benchmarks.cluster " + shlex.join(argv), args.timeout))
+    if isinstance(document, int):
+        return document
     print(render(document))
     path = figure(document, args.out.with_suffix(""))
     if path:

@@ -42,7 +42,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -547,21 +546,10 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(setting.nodes):
                     print(shlex.join(cluster.in_node(made, i, cluster.node_command(work, job, made, i))))
         return 0
-    try:
-        if not args.no_cluster:
-            cluster.check_requirements()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, cluster._raise_interrupted)
-        document = benchmark(setting, runs, work, out, "python -m benchmarks.stragglers " + shlex.join(argv), not args.no_cluster)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; the emulated cluster (if any) was removed", file=sys.stderr)
-        return 130
-    except cluster.Interrupted as exc:
-        print(f"stopped by {exc}; the emulated cluster was removed", file=sys.stderr)
-        return 128 + exc.signum
+    command = "python -m benchmarks.stragglers " + shlex.join(argv)
+    document = cluster.on_cluster(lambda: benchmark(setting, runs, work, out, command, not args.no_cluster), namespaces=not args.no_cluster)
+    if isinstance(document, int):
+        return document
     print(render(document))
     path = figure(document, out.with_suffix(""))
     if path:
