@@ -138,7 +138,7 @@ def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...],
             rank["time_injected_delay"], rank["time_sync"] = means["time_injected_delay"], means["time_sync"]
         if "steps_total" in figures or "steps" in means:  # the run's total; else the per-epoch median
             rank["steps"] = figures.get("steps_total", means.get("steps"))
-        if "lag" in means:  # reports of older releases lack these
+        if "lag" in means and (info.get("config") or {}).get("max_lag"):  # --max-lag runs only
             rank["lag"], rank["time_lag_wait"] = means["lag"], means["time_lag_wait"]
         rank["saved_activation_bytes"] = means["saved_activation_bytes"]
         ranks.append(rank)
