@@ -553,12 +553,6 @@ def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: 
     return state, stale_state
 
 
-def _sample(config: TrainConfig, comm: Comm, inputs: GraphInputs, epoch: int) -> tuple[Tensor, ExchangePlan]:
-    """Epoch ``epoch``'s boundary sample (bool [n_boundary]) and its plan; all ranks call together."""
-    keep = sample_boundary(inputs.topology.boundary_counts, config.p, config.seed, comm.rank, epoch)
-    return keep, inputs.planner.sample(keep, config.p)
-
-
 def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
     """The job-level JSON line of one epoch: times of the slowest rank, bytes of all ranks."""
     col = lambda name: table[:, INDEX[name]]  # noqa: E731
