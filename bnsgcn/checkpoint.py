@@ -3,9 +3,10 @@
 Sampling and dropout are seeded from (seed, rank, epoch), so model, optimizer, epoch and
 the best-validation record are all the state a resumed run needs to continue exactly,
 except with ``--staleness 1``: then each rank also saves its stale boundary rows and
-gradients (:meth:`bnsgcn.stale.StaleExchange.state_dict`) in a part of its own,
-``checkpoint-<epoch>.rank-<r>.pt``, written before rank 0 writes the checkpoint itself, so
-a checkpoint that exists has all its parts.
+gradients (:meth:`bnsgcn.stale.StaleExchange.state_dict`; with ``--max-lag`` those of the
+checkpoint's epoch, which every rank waits for, :meth:`bnsgcn.lag.LagExchange.state_dict`)
+in a part of its own, ``checkpoint-<epoch>.rank-<r>.pt``, written before rank 0 writes the
+checkpoint itself, so a checkpoint that exists has all its parts.
 """
 
 from __future__ import annotations

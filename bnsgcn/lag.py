@@ -23,7 +23,9 @@ before epoch ``S + 1`` it adds one only if one arrived), reusing it while no new
 arrives, as rows are reused. With ``S = 1`` every version is exactly ``t - 1``: the
 stale exchange's arithmetic (``--staleness 1``), tested equal. The first epoch exchanges
 synchronously (one all-to-all per layer: every rank starts together) and sends ahead;
-the last sends nothing (no epoch uses it).
+every epoch sends, the last one too (as ``--staleness 1`` does): a checkpoint of the last
+epoch can then be continued with more ``--epochs``, and the stochastic rounding of a
+compressed wire format draws the same random numbers as the stale exchange's.
 
 A rank can then be at most ``S`` epochs ahead of each rank it shares boundary nodes with
 (it needs their rows and gradients no older than ``S``), and a slow rank never waits for a
@@ -44,10 +46,31 @@ dies ends it at once. At the end of training every rank sends an end mark to eac
 waits (bounded) until its own messages are delivered and every peer's end mark has arrived,
 so nothing is in flight when the job's groups close.
 
-Not supported (refused in one line, :func:`check_config`): compressed wire formats, the
-node-aware exchange, checkpoints and ``--resume`` (which versions a rank holds depends on
-timing; a resumable state would need every version in flight). ``--sync allreduce`` is
-allowed but lets no rank run ahead (ranks meet at every step's all-reduce); the job logs so.
+**Wire formats** (``--compress``, ``--compress-grad``, :mod:`bnsgcn.compress`). An owner
+encodes the rows of all its requesters in one pass, in rank order, then sends each its
+part; a rank encodes the gradients for all its owners in one pass, in column order, then
+sends each its part; messages travel and are kept encoded (the header's values per row
+and dtype are the wire's) and are decoded where an epoch uses them. That is the stale
+exchange's encoding, tensor for tensor: int8 and int4 round stochastically from torch's
+generator, which the epoch's dropout seed (seed, rank, epoch) sets, at the same points of
+the epoch, so ``S = 1`` with compression equals ``--staleness 1`` with it (tested).
+
+**Checkpoints** (``--checkpoint-every``, the stop signals of :mod:`bnsgcn.stopping`,
+``--resume``). A checkpoint after epoch ``t`` is taken where every rank meets (with a
+decoupled ``--sync`` a checkpoint epoch is a sync point, and a stop signal is acted on at
+the next sync point). There each rank first waits (:meth:`LagExchange.drain`, bounded by
+``--timeout``) until it holds every owner's rows and every requester's gradients of
+epoch ``t``: exactly what ``--staleness 1`` holds then, and what the next epoch uses
+whatever ``S`` is (the newest version within any bound). Its part of the checkpoint
+(:meth:`LagExchange.state_dict`) holds those, as they came over the wire, with the
+smoothing averages; a resumed run starts from them. So with ``S = 1`` a resumed run
+equals the uninterrupted one; with ``S > 1`` the epoch after a checkpoint uses the
+previous epoch's versions in both (the checkpoint costs the fast ranks their lead).
+
+Not supported (refused in one line, :func:`check_config`): the node-aware exchange (rows
+go point to point from owner to requester, leaving a relay nothing to do; ``--exchange
+auto`` resolves to direct, :func:`exchange_mode`). ``--sync allreduce`` is allowed but
+lets no rank run ahead (ranks meet at every step's all-reduce); the job logs so.
 
 **Reproducibility.** Parameters, sampling and dropout are seeded as ever, but which version
 a rank uses depends on what has arrived, i.e. on timing. ``S = 1`` leaves no choice and
@@ -59,6 +82,7 @@ injected delays whenever the transfers arrive before they are needed.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -73,13 +97,14 @@ from .comm import Comm
 from .compress import WireFormat
 from .errors import PeerLost, UserError, peer_lost_message
 from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
+from .hierarchy import resolve_mode
 from .sampler import sample_boundary
 from .shard import Topology, segment_counts
 from .stale import DelayedFlight, StaleExchange
 
 ROWS, GRADS, END = 0, 1, 2
-HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype (both on the wire)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8)
 TAG = 16
 FOREVER = timedelta(days=365)  # the threads' waits: the training loop's are bounded instead
 SAMPLES_KEPT = 512  # samples drawn for other ranks and for this one, most recently used kept
@@ -93,14 +118,17 @@ def check_config(c) -> None:
         raise UserError(f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)")
     if c.staleness != 1:
         raise UserError("--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag")
-    if c.compress != "none" or c.grad_wire_format != "none":
-        raise UserError("--max-lag sends rows and gradients point to point uncompressed; drop --compress and --compress-grad, or drop --max-lag")
     if c.exchange == "hierarchical":
-        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct instead of hierarchical, or drop --max-lag")
-    if c.checkpoint_every:
-        raise UserError("--max-lag cannot write resumable checkpoints (ranks hold rows of different epochs); drop --checkpoint-every, or drop --max-lag")
-    if c.resume:
-        raise UserError("--resume continues from a checkpoint, which --max-lag does not write; drop --resume, or drop --max-lag")
+        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag")
+
+
+def exchange_mode(config, comm: Comm) -> str:
+    """``--exchange`` resolved for this job: with ``--max-lag`` ``auto`` is direct (training's
+    rows go point to point from owner to requester, so there is nothing to relay inside a
+    node), else as :func:`bnsgcn.hierarchy.resolve_mode` decides."""
+    if config.max_lag is not None and config.exchange == "auto":
+        return "direct"
+    return resolve_mode(config.exchange, comm)
 
 
 def make_stale_exchange(config, comm: Comm, topology: Topology, synchronous: BoundaryExchange, rows_format: WireFormat, grads_format: WireFormat, log: logging.Logger):
@@ -113,14 +141,9 @@ def make_stale_exchange(config, comm: Comm, topology: Topology, synchronous: Bou
         if config.max_lag is not None and comm.rank == 0:
             log.info("--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.max_lag)
         return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.stale_smoothing)
-    if config.exchange != "direct":  # auto chose hierarchical: several machines with several ranks each
-        raise UserError(
-            f"--max-lag sends rows point to point, but --exchange auto chose hierarchical (this job spans {comm.nodes.count} machines, "
-            "some with several ranks); pass --exchange direct"
-        )
     if comm.rank == 0 and config.sync == "allreduce":
         log.info("--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter", config.max_lag)
-    return LagExchange(comm, topology, synchronous, config.p, config.seed, config.max_lag, config.epochs, config.stale_smoothing)
+    return LagExchange(comm, topology, synchronous, config.p, config.seed, config.max_lag, rows_format, grads_format, config.stale_smoothing)
 
 
 class _Peer:
@@ -136,10 +159,15 @@ class _Peer:
 class LagExchange:
     """Boundary exchange with bounded lag (see the module). ``synchronous`` serves the first
     epoch; ``topology`` is the training graph's. Collective to build (one gather of every
-    rank's ``boundary_counts``, one new process group)."""
+    rank's ``boundary_counts``, one new process group). ``rows_format`` and ``grads_format``:
+    how rows and their gradients travel (see the module)."""
 
-    def __init__(self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, p: float, seed: int, max_lag: int, epochs: int, smoothing: float | None = None) -> None:
-        self.comm, self.synchronous, self.p, self.seed, self.max_lag, self.epochs, self.smoothing = comm, synchronous, p, seed, max_lag, epochs, smoothing
+    def __init__(
+        self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, p: float, seed: int, max_lag: int,
+        rows_format: WireFormat, grads_format: WireFormat, smoothing: float | None = None,
+    ) -> None:
+        self.comm, self.synchronous, self.p, self.seed, self.max_lag, self.smoothing = comm, synchronous, p, seed, max_lag, smoothing
+        self.rows_format, self.grads_format = rows_format, grads_format
         me, world = comm.rank, comm.world_size
         self.topology = topology
         self.n_inner, self.n_boundary = topology.n_inner, topology.n_boundary
@@ -158,14 +186,15 @@ class LagExchange:
 
         self.cond = threading.Condition()
         self.error: tuple[int, BaseException] | None = None
-        self.rows: dict[tuple[int, int], dict[int, Tensor]] = {}  # (owner, slot) -> version -> flat rows
-        self.grads: dict[tuple[int, int], dict[int, tuple[int, Tensor]]] = {}  # (requester, slot) -> epoch -> (row version, flat grads)
+        self.rows: dict[tuple[int, int], dict[int, Tensor]] = {}  # (owner, slot) -> version -> flat rows, encoded
+        self.grads: dict[tuple[int, int], dict[int, tuple[int, Tensor]]] = {}  # (requester, slot) -> epoch -> (row version, flat grads, encoded)
         self.received = {"features": 0, "gradients": 0, "control": 0}  # bytes the threads took in since the last look
         self.samples: OrderedDict[tuple[int, int], Tensor] = OrderedDict()
         self.sample_lock = threading.Lock()
 
         self.epoch = -1
         self.slots: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # slot -> (row shape, dtype), from the first epoch
+        self.grad_slots: set[int] = set()  # the slots whose rows get gradients (not a first layer's input features)
         self.chosen: dict[int, int] = {}  # owner -> row version used this epoch
         self.columns: Tensor | None = None  # this epoch's boundary columns (smoothing)
         self.row_average: dict[int, Tensor] = {}
@@ -330,12 +359,27 @@ class LagExchange:
         chosen versions, from the second epoch on) and ``x_inner`` goes out for the next."""
         if self.epoch == 0:
             self.slots[slot] = (tuple(x_inner.shape[1:]), x_inner.dtype)
+            if x_inner.requires_grad:  # the same on every rank: the same model
+                self.grad_slots.add(slot)
             flight = self.synchronous.start(x_inner, plan, slot, category)
             self._send_rows(slot, x_inner.detach())
             return flight
         return _LagFlight(self, slot, plan).start(x_inner)
 
     def drain(self) -> None:
+        """Before a checkpoint after epoch ``t`` (the one just run; every rank there): wait,
+        bounded by --timeout, until this rank holds every owner's rows and every requester's
+        gradients of epoch ``t``, the state :meth:`state_dict` saves (see the module)."""
+        t = self.epoch
+        grad_slots = self.grad_slots if t >= 1 else set()  # the first epoch's gradients were exchanged synchronously
+
+        def held() -> bool:
+            rows = all(t in self.rows.get((q, slot), {}) for q in self.owners for slot in self.slots)
+            return rows and all(t in self.grads.get((r, slot), {}) for r in self.requesters for slot in grad_slots)
+
+        self._wait(held, None, f"the rows and gradients of epoch {t} from ranks {sorted(self.peers)} for the checkpoint")
+
+    def close(self) -> None:
         """At the end of training: send the end mark to every peer, then wait (bounded by
         --timeout) until this rank's messages are delivered and every peer's end mark arrived."""
         if self.finished:
@@ -350,10 +394,34 @@ class LagExchange:
         self._count_received()
 
     def state_dict(self) -> dict:
-        raise RuntimeError("--max-lag writes no checkpoints (bnsgcn.lag.check_config refuses --checkpoint-every)")
+        """This rank's part of a checkpoint after epoch ``t`` (call :meth:`drain` first): the
+        rows of epoch ``t`` per owner and slot and the gradients of epoch ``t`` per requester
+        and slot (with the row version they are for; none after the first epoch), encoded as
+        they arrived; the smoothing averages; each slot's row shape, dtype and whether it
+        gets gradients. Keys are ``"<rank>/<slot>"``."""
+        t = self.epoch
+        with self.cond:
+            rows = {f"{q}/{slot}": self.rows[(q, slot)][t] for q in self.owners for slot in self.slots}
+            grads = {f"{r}/{slot}": list(self.grads[(r, slot)][t]) for r in self.requesters for slot in self.grad_slots if t >= 1}
+        averages = {name: {str(slot): average.cpu() for slot, average in getattr(self, name).items()} for name in ("row_average", "row_seen", "grad_average")}
+        slots = {str(slot): {"row": list(row), "dtype": str(dtype).removeprefix("torch."), "grads": slot in self.grad_slots} for slot, (row, dtype) in self.slots.items()}
+        return {"lag": {"epoch": t, "slots": slots, "rows": rows, "grads": grads, **averages}}
 
     def load_state_dict(self, state: dict) -> None:
-        raise RuntimeError("--max-lag cannot resume (bnsgcn.lag.check_config refuses --resume)")
+        """Continue from a part :meth:`state_dict` wrote: the next epoch uses its rows and gradients."""
+        state = state["lag"]
+        t, device = state["epoch"], self.comm.device
+        self.slots = {int(slot): (tuple(entry["row"]), getattr(torch, entry["dtype"])) for slot, entry in state["slots"].items()}
+        self.grad_slots = {int(slot) for slot, entry in state["slots"].items() if entry["grads"]}
+        with self.cond:
+            for key, payload in state["rows"].items():
+                q, slot = map(int, key.split("/"))
+                self.rows.setdefault((q, slot), {})[t] = payload
+            for key, (version, payload) in state["grads"].items():
+                r, slot = map(int, key.split("/"))
+                self.grads.setdefault((r, slot), {})[t] = (int(version), payload)
+        for name in ("row_average", "row_seen", "grad_average"):
+            setattr(self, name, {int(slot): average.to(device) for slot, average in state[name].items()})
 
     # sending
 
@@ -369,28 +437,29 @@ class LagExchange:
         (stats.sent_intra if self.comm.nodes.node_of[q] == self.comm.node else stats.sent_inter)[category] += payload
 
     def _send_rows(self, slot: int, x_inner: Tensor) -> None:
-        """Row version ``epoch`` of ``slot`` to every requester, at its sample of the next epoch."""
-        if self.epoch + 1 >= self.epochs:
-            return  # no epoch uses it
-        width = x_inner[0].numel() if x_inner.shape[0] else 0
-        for r in self.requesters:
-            wanted = self._sample(r, self.epoch + 1).to(self.comm.device)
-            rows = x_inner.index_select(0, self.send_nodes[r][wanted]).reshape(-1).cpu()
-            header = torch.tensor([ROWS, slot, self.epoch, self.epoch, width, DTYPES.index(x_inner.dtype)], dtype=torch.int64)
-            self._queue(r, (header,) + ((rows,) if rows.numel() else ()), "features")
+        """Row version ``epoch`` of ``slot`` to every requester, at its sample of the next
+        epoch: every requester's rows encoded in one pass (the stale exchange's order)."""
+        wanted = [self.send_nodes[r][self._sample(r, self.epoch + 1).to(self.comm.device)] for r in self.requesters]
+        if not wanted:
+            return
+        wire = _encode(self.rows_format, x_inner.index_select(0, torch.cat(wanted)))
+        for r, rows in zip(self.requesters, wire.split([w.numel() for w in wanted])):
+            self._queue(r, self._message(ROWS, slot, self.epoch, rows), "features")
 
     def _send_grads(self, slot: int, grad_rows: Tensor) -> None:
-        """This epoch's gradients of the rows each owner sent (gradient version ``epoch``)."""
-        if self.epoch + 1 >= self.epochs:
+        """This epoch's gradients of the rows each owner sent (gradient version ``epoch``),
+        every owner's encoded in one pass (column order, the stale exchange's)."""
+        counts = [int(self._owner_block(q, self.chosen[q]).sum()) for q in self.owners]
+        if not counts:
             return
-        width = grad_rows[0].numel() if grad_rows.shape[0] else 0
-        offset = 0
-        for q in self.owners:
-            n = int(self._owner_block(q, self.chosen[q]).sum())
-            grads = grad_rows[offset : offset + n].reshape(-1).cpu()
-            offset += n
-            header = torch.tensor([GRADS, slot, self.epoch, self.chosen[q], width, DTYPES.index(grad_rows.dtype)], dtype=torch.int64)
-            self._queue(q, (header,) + ((grads.contiguous(),) if grads.numel() else ()), "gradients")
+        wire = _encode(self.grads_format, grad_rows)
+        for q, grads in zip(self.owners, wire.split(counts)):
+            self._queue(q, self._message(GRADS, slot, self.chosen[q], grads), "gradients")
+
+    def _message(self, kind: int, slot: int, version: int, wire: Tensor) -> tuple[Tensor, ...]:
+        """Header and (unless empty) payload of encoded rows ``wire`` [n, *wire row]."""
+        header = torch.tensor([kind, slot, self.epoch, version, math.prod(wire.shape[1:]), DTYPES.index(wire.dtype)], dtype=torch.int64)
+        return (header,) + ((wire.reshape(-1).cpu(),) if wire.numel() else ())
 
     # receiving
 
@@ -399,8 +468,7 @@ class LagExchange:
         row, dtype = self.slots[slot]
         with self.cond:
             parts = [self.rows[(q, slot)][self.chosen[q]] for q in self.owners]
-        rows = torch.cat([t.view(-1, *row) for t in parts]) if parts else torch.zeros((0, *row), dtype=dtype)
-        rows = rows.to(self.comm.device)
+        rows = _decode(self.rows_format, torch.cat(parts) if parts else torch.zeros(0, dtype=self.rows_format.wire_dtype(dtype)), row, dtype, self.comm.device)
         if rows.shape[0] != plan.num_received:
             raise RuntimeError(f"rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}")
         if self.smoothing is None:
@@ -447,7 +515,7 @@ class LagExchange:
             index = self.send_nodes[r][self._sample(r, version + 1).to(self.comm.device)]
             if dense is None:
                 dense = torch.zeros((self.n_inner, *row), dtype=dtype, device=self.comm.device)
-            dense.index_add_(0, index, grads.to(self.comm.device).view(-1, *row))
+            dense.index_add_(0, index, _decode(self.grads_format, grads, row, dtype, self.comm.device))
         if dense is None or self.smoothing is None:
             return dense
         current = dense[self.send_rows]
@@ -486,6 +554,20 @@ class LagExchange:
             raise PeerLost(peer_lost_message(RuntimeError(f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"), self.comm.who_stopped())) from exc
         if not done:
             raise PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: waiting for {what} took longer than --timeout {self.comm.timeout:g} s"), self.comm.who_stopped()))
+
+
+def _encode(wire: WireFormat, rows: Tensor) -> Tensor:
+    """``rows`` [n, *row] in ``wire``'s format: [n, *wire row] (``rows`` itself when exact)."""
+    if wire.exact:
+        return rows
+    out = rows.new_empty((rows.shape[0], *wire.wire_shape(tuple(rows.shape[1:]))), dtype=wire.wire_dtype(rows.dtype))
+    return wire.encode(rows, out)
+
+
+def _decode(wire: WireFormat, flat: Tensor, row: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Rows [n, *row] of ``dtype`` on ``device`` from the flat encoded values of a message."""
+    encoded = flat.to(device).view(-1, *wire.wire_shape(row))
+    return wire.decode(encoded, row, dtype)
 
 
 class _LagFlight(DelayedFlight):

@@ -35,7 +35,7 @@ from .errors import JobStopped, PeerLost, UserError, first_sentence, is_peer_fai
 from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
-from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner, resolve_mode
+from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
 from .log import MetricsWriter, setup_logging
 from .model import GNN
 from .optim import Adam
@@ -45,7 +45,7 @@ from .progress import Progress
 from .provenance import launch_info, run_name_suffix
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
-from .lag import LagExchange, make_stale_exchange
+from .lag import LagExchange, exchange_mode, make_stale_exchange
 from .stale import StaleExchange
 from .stopping import StopRequest, stop_on_signals
 from .straggler import InjectedDelay, check_flags, parse_delays, parse_sync
@@ -259,7 +259,9 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         if stop is not None and sync_point and (signum := stop.agreed(comm)):
             _stop(job, epoch + 1, best, signum)
     progress.close()
-    if job.stale is not None:
+    if isinstance(job.stale, LagExchange):
+        job.stale.close()  # end marks: nothing in flight when the groups close
+    elif job.stale is not None:
         job.stale.drain()  # the transfers for the epoch after the last one
     return _finish(job, metrics, best, tables, last_loss)
 
@@ -271,7 +273,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
-    config = replace(config, exchange=resolve_mode(config.exchange, comm))  # auto -> direct or hierarchical
+    config = replace(config, exchange=exchange_mode(config, comm))  # auto -> direct or hierarchical
     pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
     # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
     shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)
@@ -324,7 +326,7 @@ def _resume(job: Job) -> tuple[int, Best]:
     """The first epoch to run and the best model so far: from the checkpoint with --resume."""
     if not job.config.resume:
         return 0, Best()
-    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale is not None)
+    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale is not None, lagged=isinstance(job.stale, LagExchange))
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
@@ -521,9 +523,10 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
 
 
-def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool) -> tuple[dict | None, dict | None]:
+def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool, lagged: bool = False) -> tuple[dict | None, dict | None]:
     """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
-    staleness, its own part), or every rank stops with the first rank's error."""
+    staleness, its own part: written by :mod:`bnsgcn.lag` when ``lagged``), or every rank
+    stops with the first rank's error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
@@ -542,9 +545,12 @@ def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: 
         if stale:
             stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
             p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
+            path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
             if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
-                path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
                 raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
+            if ("lag" in stale_state) != lagged:  # the two exchanges hold their rows differently
+                flags = ("--max-lag", "add --max-lag (any S)") if "lag" in stale_state else ("no --max-lag", "drop --max-lag")
+                raise UserError(f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out")
     except UserError as exc:
         error = f"rank {comm.rank}: {exc}"
     errors = [e for e in comm.all_gather_object(error) if e]

@@ -2,7 +2,14 @@
 
 * S = 1 equals ``--staleness 1`` (same seed: the same losses and parameters, to float
   rounding), for GraphSAGE and GAT, with and without smoothing, with ``allreduce`` and with a
-  decoupled ``--sync``; and repeats exactly;
+  decoupled ``--sync``, exact or with any compressed wire format (the same bytes sent); and
+  repeats exactly;
+* checkpoints: with S = 1 a run resumed from a checkpoint equals the uninterrupted one (int8
+  on the wire, smoothing, GAT); with S = 3, fast ranks that ran ahead use the previous
+  epoch's versions right after a checkpoint, whose parts hold exactly what S = 1 needs (a
+  run resumed from them with S = 1 and one with S = 3 agree on that epoch, and finish); a
+  stop signal to one rank stops every rank at the next sync point with a checkpoint, which a
+  requeued job resumes; a part written with or without --max-lag is refused by the other;
 * S = 3 with one rank slowed by ``--inject-delay`` and a decoupled ``--sync`` at p = 0.5: the
   fast ranks run ahead (their recorded lag exceeds 1 at some epoch, never 3), they wait for
   the slow rank and it hardly waits for them, and the job ends with one model;
@@ -10,13 +17,18 @@
   on timing, so two runs agree exactly up to the first epoch where either used an older
   version than the previous epoch's (per-rank lag above 1; see docs/training.md);
 * a rank killed or hung ends the job with the rank named;
-* bad flag combinations are one-line errors (parser, launcher, and the rank-side check of an
-  ``--exchange auto`` that chose the node-aware exchange).
+* bad flag combinations are one-line errors (parser, launcher); ``--exchange auto`` on a
+  multi-node layout resolves to direct.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +40,8 @@ from bnsgcn.errors import UserError
 
 from .distributed import partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
+from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, descendants, rank_process, train_args
+from .test_slurm import STEP_S, clean_env, epochs
 
 WORLD = 3
 
@@ -92,6 +105,102 @@ def test_max_lag_one_equals_staleness_one(parts, tmp_path):
         assert all(r["bytes_sent_by_kind"]["selections"] == 0 for r in lines), case
     assert losses_of(configs[-1].out) == losses_of(configs[1].out)  # S = 1 repeats exactly
     assert_same_params(results, 1, len(configs) - 1, exact=True)
+
+
+def bytes_sent(run_dir: Path, kind: str) -> int:
+    return sum(r["bytes_sent_by_kind"][kind] for r in records(run_dir))
+
+
+WIRE_CASES = [
+    dict(compress="int8"),
+    dict(compress="int4", compress_grad="int8", stale_smoothing=0.7),
+    dict(model="gat", p=0.7, compress="fp16", compress_grad="bf16"),
+]
+
+
+def test_max_lag_one_with_a_compressed_wire_equals_staleness_one(parts, tmp_path):
+    """Encoded in one pass per direction in the stale exchange's order, from the same
+    generator state: the same codes, so the same losses and parameters, and the same bytes."""
+    configs = []
+    for i, case in enumerate(WIRE_CASES):
+        stale = config(parts, tmp_path / f"stale-{i}", epochs=5, **case)
+        configs += [stale, replace(stale, max_lag=1, out=tmp_path / f"lag-{i}")]
+    results = run_ranks(WORLD, configs)
+    for i, case in enumerate(WIRE_CASES):
+        stale, lagged = configs[2 * i], configs[2 * i + 1]
+        assert losses_of(lagged.out) == pytest.approx(losses_of(stale.out), rel=1e-6, abs=1e-7), case
+        assert_same_params(results, 2 * i, 2 * i + 1)
+        for kind in ("features", "gradients"):
+            assert bytes_sent(lagged.out, kind) == bytes_sent(stale.out, kind) > 0, (case, kind)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
+    # p < 1, dropout, int8 on the wire, smoothing: every piece of state a resume needs
+    whole = config(parts, tmp_path / "whole", model="gat", p=0.5, dropout=0.3, compress="int8", stale_smoothing=0.8, epochs=7, max_lag=1)
+    first = replace(whole, out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
+    rest = replace(first, epochs=7, resume=True)  # from the checkpoint of the last epoch of `first`
+    results = run_ranks(WORLD, [whole, first, rest])
+    assert losses_of(rest.out) == losses_of(whole.out)
+    assert_same_params(results, 0, 2, exact=True)
+    expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
+    assert sorted(p.name for p in (first.out / "checkpoints").iterdir()) == sorted(expected)
+
+
+def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
+    """Rank 2 is slow, so the fast ranks run ahead; at the checkpoint after epoch 4 every
+    rank waits until it holds its peers' rows and gradients of epoch 4 (of the 0-based
+    epoch 3), so the epoch after it uses those (lag 1) on every rank. Resumed from the
+    checkpoint after epoch 8 with S = 1 (which finds nothing else acceptable) and with
+    S = 3, both compute the same epoch 9 and finish."""
+    lagged = config(parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=8, checkpoint_every=4)
+    run_ranks(WORLD, [lagged])
+    lags = np.array([r["per_rank"]["lag"] for r in records(lagged.out)])  # [epoch, rank]
+    assert lags.max() <= 3 and lags[:, :2].max() > 1, lags.tolist()  # the fast ranks ran ahead
+    assert (lags[4] == 1).all(), lags.tolist()  # and not past the checkpoint
+    resumed = {s: replace(lagged, out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True) for s in (1, 3)}
+    for run in resumed.values():
+        shutil.copytree(lagged.out, run.out)
+    run_ranks(WORLD, list(resumed.values()))
+    first, third = records(resumed[1].out), records(resumed[3].out)
+    assert [r["epoch"] for r in first] == [r["epoch"] for r in third] == list(range(1, 12))
+    assert first[8]["loss"] == third[8]["loss"] and first[8]["per_rank"]["lag"] == third[8]["per_rank"]["lag"] == [1] * WORLD
+    assert first[7]["loss"] == third[7]["loss"] == records(lagged.out)[7]["loss"]  # the records before it are kept
+    # the two exchanges keep different state: a part of one is refused by the other
+    with pytest.raises(AssertionError, match=r"UserError: rank \d: .*checkpoint-000011\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$"):
+        run_ranks(WORLD, [replace(resumed[1], max_lag=None, epochs=12)])
+
+
+def test_stop_signal_checkpoints_at_the_next_sync_point_and_a_requeued_job_resumes(tmp_path, parts2):
+    """SIGUSR1 to one rank of a --max-lag job with a decoupled --sync (sync points every 2
+    epochs): every rank stops at a sync point, with that epoch's checkpoint; the same command
+    run again as a requeued SLURM job continues from it."""
+    run_dir = tmp_path / "run"
+    argv = [*TRAIN, *train_args(parts2, run_dir, *LAG_FLAGS[2:], "--eval-every", "2", "--checkpoint-every", "100000")]
+    with open(tmp_path / "job.err", "w") as stderr:
+        job = subprocess.Popen([*argv, "--epochs", "1000000"], env=clean_env(), stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STEP_S
+        while len(epochs(run_dir)) < 3:
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.05)
+        rank_process(descendants(job.pid), 1).send_signal(signal.SIGUSR1)
+        job.wait(STEP_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 128 + signal.SIGUSR1, (tmp_path / "job.err").read_text()
+    stopped = epochs(run_dir)[-1]
+    assert stopped % 2 == 0  # a sync point
+    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in (tmp_path / "job.err").read_text().strip().splitlines()[-1]
+    assert all((run_dir / "checkpoints" / f"checkpoint-{stopped:06d}{part}.pt").is_file() for part in ("", ".rank-0", ".rank-1"))
+    again = subprocess.run([*argv, "--epochs", str(stopped + 2)], env=clean_env(SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=STEP_S)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from epoch {stopped}" in again.stdout + again.stderr
+    assert epochs(run_dir) == list(range(1, stopped + 3))
 
 
 # --- S = 3: fast ranks run ahead of a slow one --------------------------------------------------
@@ -168,11 +277,7 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
     [
         (dict(max_lag=2), "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag"),
         (dict(max_lag=0, staleness=1), "--max-lag 0 must be a positive number of epochs"),
-        (dict(max_lag=2, staleness=1, compress="int8"), "drop --compress and --compress-grad, or drop --max-lag"),
-        (dict(max_lag=2, staleness=1, compress_grad="fp16"), "drop --compress and --compress-grad, or drop --max-lag"),
-        (dict(max_lag=2, staleness=1, exchange="hierarchical"), "pass --exchange direct instead of hierarchical"),
-        (dict(max_lag=2, staleness=1, checkpoint_every=5), "drop --checkpoint-every, or drop --max-lag"),
-        (dict(max_lag=2, staleness=1, resume=True, out=Path("run")), "drop --resume, or drop --max-lag"),
+        (dict(max_lag=2, staleness=1, exchange="hierarchical"), "pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag"),
     ],
 )
 def test_bad_combinations_are_refused_in_one_line(kw, words):
@@ -188,8 +293,11 @@ def test_launcher_refuses_before_any_rank_starts(tmp_path, parts2):
     assert not (tmp_path / "run").exists()
 
 
-def test_auto_exchange_that_chose_node_aware_is_refused(parts, tmp_path):
-    lagged = config(parts, tmp_path / "run", max_lag=2, epochs=2)
-    with pytest.raises(AssertionError, match=r"UserError: --max-lag sends rows point to point, but --exchange auto chose hierarchical .*; pass --exchange direct"):
-        run_ranks(WORLD, [lagged], nodes=[0, 0, 1])
-    run_ranks(WORLD, [replace(lagged, exchange="direct")], nodes=[0, 0, 1])  # accepted
+def test_auto_exchange_on_several_nodes_resolves_to_direct(parts, tmp_path):
+    """Where auto alone would choose the node-aware exchange (two machines, one with two
+    ranks), --max-lag makes it direct: the same run as --exchange direct."""
+    lagged = config(parts, tmp_path / "auto", max_lag=1, epochs=3)
+    direct = replace(lagged, exchange="direct", out=tmp_path / "direct")
+    run_ranks(WORLD, [lagged, direct], nodes=[0, 0, 1])
+    assert json.loads((lagged.out / "config.json").read_text())["exchange"] == "direct"
+    assert losses_of(lagged.out) == losses_of(direct.out)
