@@ -273,7 +273,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
-    config = replace(config, exchange=exchange_mode(config, comm))  # auto -> direct or hierarchical
+    config = replace(config, exchange=exchange_mode(config, comm))  # auto -> direct or hierarchical (direct with --max-lag)
     pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
     # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
     shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)

@@ -24,11 +24,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,8 +38,10 @@ from bnsgcn.errors import UserError
 
 from .distributed import partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, descendants, rank_process, train_args
-from .test_slurm import STEP_S, clean_env, epochs
+from .test_faults import (
+    FINISH_S, START_S, assert_hung_rank_named, assert_killed_rank_is_named, descendants, kill_job, last_epoch, rank_process, start, stderr_of, train_args, wait_for,
+)
+from .test_slurm import clean_env
 
 WORLD = 3
 
@@ -150,24 +150,26 @@ def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
 
 
 def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
-    """Rank 2 is slow, so the fast ranks run ahead; at the checkpoint after epoch 4 every
-    rank waits until it holds its peers' rows and gradients of epoch 4 (of the 0-based
-    epoch 3), so the epoch after it uses those (lag 1) on every rank. Resumed from the
-    checkpoint after epoch 8 with S = 1 (which finds nothing else acceptable) and with
-    S = 3, both compute the same epoch 9 and finish."""
-    lagged = config(parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=8, checkpoint_every=4)
+    """Rank 2 is slow, so the fast ranks run ahead; at a checkpoint (epochs 4 and 8) every
+    rank waits until it holds its peers' rows and gradients of that epoch, so the epoch
+    after it uses those (lag 1) on every rank. Resumed from the checkpoint after epoch 8
+    with S = 1 (which accepts nothing else) and with S = 3, both compute the epoch 9 of the
+    uninterrupted run and finish."""
+    lagged = config(parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=10, checkpoint_every=4)
     run_ranks(WORLD, [lagged])
-    lags = np.array([r["per_rank"]["lag"] for r in records(lagged.out)])  # [epoch, rank]
+    lines = records(lagged.out)
+    lags = np.array([r["per_rank"]["lag"] for r in lines])  # [epoch, rank]
     assert lags.max() <= 3 and lags[:, :2].max() > 1, lags.tolist()  # the fast ranks ran ahead
-    assert (lags[4] == 1).all(), lags.tolist()  # and not past the checkpoint
+    assert (lags[4] == 1).all() and (lags[8] == 1).all(), lags.tolist()  # but not past a checkpoint
     resumed = {s: replace(lagged, out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True) for s in (1, 3)}
     for run in resumed.values():
         shutil.copytree(lagged.out, run.out)
     run_ranks(WORLD, list(resumed.values()))
     first, third = records(resumed[1].out), records(resumed[3].out)
     assert [r["epoch"] for r in first] == [r["epoch"] for r in third] == list(range(1, 12))
-    assert first[8]["loss"] == third[8]["loss"] and first[8]["per_rank"]["lag"] == third[8]["per_rank"]["lag"] == [1] * WORLD
-    assert first[7]["loss"] == third[7]["loss"] == records(lagged.out)[7]["loss"]  # the records before it are kept
+    assert first[8]["loss"] == third[8]["loss"] == lines[8]["loss"]
+    assert first[8]["per_rank"]["lag"] == third[8]["per_rank"]["lag"] == [1] * WORLD
+    assert first[7]["loss"] == third[7]["loss"] == lines[7]["loss"]  # the records before it are kept
     # the two exchanges keep different state: a part of one is refused by the other
     with pytest.raises(AssertionError, match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$"):
         run_ranks(WORLD, [replace(resumed[1], max_lag=None, epochs=12)])
@@ -179,28 +181,22 @@ def test_stop_signal_checkpoints_at_the_next_sync_point_and_a_requeued_job_resum
     run again as a requeued SLURM job continues from it."""
     run_dir = tmp_path / "run"
     argv = [*TRAIN, *train_args(parts2, run_dir, *LAG_FLAGS[2:], "--eval-every", "2", "--checkpoint-every", "100000")]
-    with open(tmp_path / "job.err", "w") as stderr:
-        job = subprocess.Popen([*argv, "--epochs", "1000000"], env=clean_env(), stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    job = start([*argv, "--epochs", "1000000"], tmp_path, "job")
     try:
-        deadline = time.monotonic() + STEP_S
-        while len(epochs(run_dir)) < 3:
-            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
-            time.sleep(0.05)
-        rank_process(descendants(job.pid), 1).send_signal(signal.SIGUSR1)
-        job.wait(STEP_S)
+        wait_for(lambda: last_epoch(run_dir) >= 3, job, START_S, "three epochs")
+        rank_process(descendants(job.pid), 1).send_signal(signal.SIGUSR1)  # rank 0 learns it at the next sync point
+        job.wait(FINISH_S)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 128 + signal.SIGUSR1, (tmp_path / "job.err").read_text()
-    stopped = epochs(run_dir)[-1]
+        kill_job(job)
+    assert job.returncode == 128 + signal.SIGUSR1, stderr_of(tmp_path, "job")
+    stopped = last_epoch(run_dir)
     assert stopped % 2 == 0  # a sync point
-    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in (tmp_path / "job.err").read_text().strip().splitlines()[-1]
+    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in stderr_of(tmp_path, "job").strip().splitlines()[-1]
     assert all((run_dir / "checkpoints" / f"checkpoint-{stopped:06d}{part}.pt").is_file() for part in ("", ".rank-0", ".rank-1"))
-    again = subprocess.run([*argv, "--epochs", str(stopped + 2)], env=clean_env(SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=STEP_S)
+    again = subprocess.run([*argv, "--epochs", str(stopped + 2)], env=clean_env(SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=FINISH_S)
     assert again.returncode == 0, again.stderr
     assert f"resumed from epoch {stopped}" in again.stdout + again.stderr
-    assert epochs(run_dir) == list(range(1, stopped + 3))
+    assert [r["epoch"] for r in records(run_dir)] == list(range(1, stopped + 3))
 
 
 # --- S = 3: fast ranks run ahead of a slow one --------------------------------------------------
