@@ -96,6 +96,10 @@ class TrainConfig:
         "then delays every step)",
     )
     bucket_mb: float = _setting(1.0, "MiB of parameter gradients per all-reduce bucket")
+    eval_buffer_mib: float = _setting(
+        32.0, "MiB an evaluation exchange buffer (sent or received rows) may take: evaluation exchanges and aggregates each "
+        "layer's boundary rows in column slices that fit (at least one column); 0 = every row of a layer at once", metavar="MIB",
+    )
     checkpoint_every: int = _setting(0, "save a checkpoint every N epochs (0: never)")
     keep_checkpoints: int = _setting(2, "checkpoints kept")
     resume: bool = _setting(False, "continue from the newest valid checkpoint in --out")
@@ -108,6 +112,11 @@ class TrainConfig:
         if self.precompute is None:
             return self.model in ("graphsage", "gcn")
         return self.precompute
+
+    @property
+    def eval_buffer_bytes(self) -> int:
+        """The most bytes of an evaluation exchange buffer (0: unsliced, see :mod:`bnsgcn.evaluate`)."""
+        return math.ceil(self.eval_buffer_mib * 2**20)
 
     @property
     def grad_wire_format(self) -> str:
@@ -201,6 +210,8 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"--timeout {c.timeout} must be positive (seconds)")
     if c.bucket_mb <= 0:
         raise UserError(f"--bucket-mb {c.bucket_mb} must be positive (MiB)")
+    if c.eval_buffer_mib < 0:
+        raise UserError(f"--eval-buffer-mib {c.eval_buffer_mib} must be 0 (unsliced) or positive (MiB)")
     if c.resume and c.out is None:
         raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
     if c.exchange not in EXCHANGES:

@@ -11,8 +11,8 @@ Two things live here:
   threshold keeps every block of 1 MiB or more in its own mapping, returned to the system
   when freed.
 * :func:`holders`: the bytes each kind of long-lived tensor holds on a rank (partition
-  data, precomputed aggregation, adjacency, exchange buffers, parameters, optimizer
-  state), for the memory report (:mod:`bnsgcn.report`).
+  data, precomputed aggregation, adjacency, training's and evaluation's exchange buffers,
+  parameters, optimizer state), for the memory report (:mod:`bnsgcn.report`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ HOLDERS = {
     "precomputed_bytes": "precomputed aggregation",
     "adjacency_bytes": "adjacency",
     "exchange_buffer_bytes": "exchange buffers",
+    "evaluation_buffer_bytes": "evaluation buffers",
     "parameter_bytes": "parameters and gradients",
     "optimizer_state_bytes": "optimizer state",
 }
@@ -83,17 +84,20 @@ def holders(
     precomputed: Iterable[torch.Tensor | None],
     adjacency: Iterable[torch.Tensor | None],
     exchange_buffer_bytes: int,
+    evaluation_buffer_bytes: int,
     parameters: Iterable[torch.Tensor | None],
     optimizer_state: Iterable[torch.Tensor | None],
 ) -> dict[str, int]:
     """Bytes per holder of :data:`HOLDERS`, each storage counted once per holder (a
     precomputed aggregation shared by the training and the evaluation graph is one).
-    Exchange buffers come as bytes at their largest: they are freed after each evaluation."""
+    Exchange buffers (training's; evaluation's, :mod:`bnsgcn.evaluate`) come as bytes at
+    their largest: they are freed before and after each evaluation."""
     return {
         "partition_bytes": storage_bytes(partition),
         "precomputed_bytes": storage_bytes(precomputed),
         "adjacency_bytes": storage_bytes(adjacency),
         "exchange_buffer_bytes": exchange_buffer_bytes,
+        "evaluation_buffer_bytes": evaluation_buffer_bytes,
         "parameter_bytes": storage_bytes(parameters),
         "optimizer_state_bytes": storage_bytes(optimizer_state),
     }

@@ -32,6 +32,7 @@ from .comm import Comm, init_from_env
 from .compress import WireFormat
 from .config import TrainConfig
 from .errors import JobStopped, PeerLost, UserError, first_sentence, is_peer_failure, peer_lost_message
+from .evaluate import Evaluation
 from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
@@ -196,7 +197,8 @@ class Job:
     optimizer: Adam
     sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.paramsync)
     delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
-    exchange: BoundaryExchange  # synchronous: evaluation, and training with --staleness 0
+    exchange: BoundaryExchange  # synchronous: training with --staleness 0 (and the first epoch of --staleness 1)
+    evaluation: Evaluation  # the full-graph forward of evaluations, in slices (bnsgcn.evaluate)
     stale: StaleExchange | None  # training with --staleness 1
     pool: WorkPool | None  # --work-pool: the partitions training takes steps on (bnsgcn.workpool)
     signature: dict  # what a checkpoint must agree on
@@ -246,7 +248,8 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
                     job.sync.average_all()
             if evaluates(config.eval_every, config.epochs, epoch + 1):
                 with account.timed("evaluation"):
-                    scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.exchange)
+                    job.exchange.release()  # training's buffers are idle until the next epoch
+                    scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
                 best.update(epoch + 1, scores, job.model)
         account.values["elapsed"] = time.perf_counter() - started
         account.take_comm(comm)
@@ -314,6 +317,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         ),
         delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
         exchange=exchange,
+        evaluation=Evaluation(comm, config.eval_buffer_bytes),
         # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.lag)
         stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
         pool=pool,
@@ -504,6 +508,7 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
         precomputed=[evaluate.x_agg, train.x_agg, *(job.pool.precomputed_tensors() if job.pool else [])],
         adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []) + (job.pool.adjacency_tensors() if job.pool else []),
         exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
+        evaluation_buffer_bytes=job.evaluation.largest_bytes(),
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
         optimizer_state=memory.optimizer_state_tensors(job.optimizer),
     )
@@ -605,12 +610,9 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
 
 
 @torch.no_grad()
-def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, exchange: BoundaryExchange) -> dict[str, float]:
+def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, evaluation: Evaluation) -> dict[str, float]:
     """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
     model.eval()
-    keep = torch.ones(inputs.topology.n_boundary, dtype=torch.bool)
-    g = inputs.graph.epoch(keep, 1.0, inputs.planner.full(), exchange, traffic="evaluation")
-    logits = model(inputs.features, g, inputs.x_agg)
-    exchange.release()  # sized for every boundary row: training with p < 1 needs far less
+    logits = evaluation.logits(model, inputs.graph, inputs.planner.full(), inputs.features, inputs.x_agg)
     counts = comm.all_reduce(_score_counts(logits, shard)).cpu()  # the scores: one read
     return _scores(counts, shard.multilabel)
