@@ -140,12 +140,16 @@ def test_injected_delay_is_reported_as_such_and_allreduce_is_unchanged(tmp_path,
 # --- each mode against an independent path -----------------------------------------------------
 
 
-def test_grouped_with_one_group_equals_allreduce(tmp_path, parts3):
+def test_one_group_and_a_round_of_every_rank_equal_allreduce(tmp_path, parts3):
+    """``grouped:2:1`` sums gradients over every rank; ``partial:3`` of 3 ranks averages
+    every rank's state and gradient (weighted by training nodes) before each step: both are
+    the synchronous step, to float rounding (one flat sum, a float64 sum of float32 blobs)."""
     sync = small(parts3, out=tmp_path / "allreduce")
-    grouped = replace(sync, sync="grouped:2:1", out=tmp_path / "grouped")
-    results = run_ranks(3, [sync, grouped])
-    for name, value in params_of(results, 0).items():
-        np.testing.assert_allclose(params_of(results, 1)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    others = [replace(sync, sync=mode, out=tmp_path / mode.replace(":", "-")) for mode in ("grouped:2:1", "partial:3")]
+    results = run_ranks(3, [sync, *others])
+    for index in (1, 2):
+        for name, value in params_of(results, 0).items():
+            np.testing.assert_allclose(params_of(results, index)[name], value, rtol=1e-5, atol=1e-6, err_msg=(others[index - 1].sync, name))
 
 
 def test_gossip_on_two_ranks_equals_partial_two(tmp_path, parts2):
