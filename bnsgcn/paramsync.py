@@ -7,32 +7,45 @@ here changes that path.
 The other modes are *decoupled*: each rank steps with its own gradient, rescaled to its own
 mean loss (the engine divides the loss by the job's training-node count ``N``; a rank or
 group with ``n`` training nodes multiplies its summed gradient by ``N / n``), and ranks meet
-only as the mode says (REFERENCE.md sections 4 and 5):
+only as the mode says (REFERENCE.md sections 4 and 5). Where ranks meet in a step they take
+a *sync step*: before the optimizer step the members average their state (parameters and
+Adam's moments) *and* their gradients, weighted by training nodes,
+
+.. math::
+    s = \frac{\sum_{r} n_r s_r}{\sum_r n_r}, \qquad
+    g = \frac{\sum_{r} n_r g_r}{\sum_r n_r},
+
+and every member then takes the same Adam step from ``s`` with ``g``, the gradient of the
+members' mean loss. Averaging after the step instead averages ``m_r / sqrt(v_r)``, Adam's
+normalised steps, which is not the step of the averaged gradient: a round of every rank
+each step then fell 0.8 points below ``allreduce`` on Cora, where the sync step *is* the
+synchronous step (to float rounding; tested). The modes:
 
 * ``grouped:G[:N]`` (g-ARAR): the first step sums gradients over every rank and times each
   rank's own work (its time outside waits); ranks sorted by that time are cut into ``N``
   groups (default 2) of near-equal size, every rank deciding the same from the same gathered
   times. From then on gradients are summed inside the group every step, and every ``G``
-  steps the group leaders (each group's first rank) average parameters,
-  :math:`\theta = \frac{1}{N}\sum_{\text{leaders}} \theta_l`, and broadcast it in their group.
-* ``partial:P`` (mw-PR): after each step a rank takes an arrival number ``a`` (1-based)
-  from a counter in the job's store; arrivals ``kP+1 .. kP+P`` form round ``k`` and each of
-  them takes :math:`\frac{1}{|k|}\sum_{r \in k} \theta_r` (the last round of a step holds
-  the ``world mod P`` left over). Rounds are per step, so no round waits for a rank that
-  is itself waiting in a collective of a later step: deadlock-free.
+  steps the group leaders (each group's first rank) take the sync step for their groups:
+  they average state and group gradients weighted by the groups' training nodes and
+  broadcast it in their group, so that step is every rank's.
+* ``partial:P`` (mw-PR): after its backward a rank takes an arrival number ``a`` (1-based)
+  from a counter in the job's store; arrivals ``kP+1 .. kP+P`` form round ``k``, whose
+  members take the sync step together (the last round of a step holds the ``world mod P``
+  left over). Rounds are per step, so no round waits for a rank that is itself waiting in
+  a collective of a later step: deadlock-free.
 * ``gossip:K`` (GossipGCN): every ``K`` steps each rank pairs with a random available
-  partner and both take :math:`\frac{1}{2}(\theta_i + \theta_j)`. Pairing takes locks in
-  the store in a fixed order (the lower rank's first, ``compare_set``, never blocking; a
-  failed second lock releases the first), so no cycle of waits can form; a rank is left
-  alone only when every other rank is already paired (odd world). Once paired, the
-  exchange always completes.
+  partner and the two take the sync step. Pairing takes locks in the store in a fixed order
+  (the lower rank's first, ``compare_set``, never blocking; a failed second lock releases
+  the first), so no cycle of waits can form; a rank is left alone only when every other
+  rank is already paired (odd world). Once paired, the exchange always completes.
 
 Every sum of a round or pair is taken in rank order in float64, so each member computes
-bit-identical parameters whatever the arrival order. In every decoupled mode all ranks
-average parameters exactly once more (an all-reduce, :meth:`Decoupled.average_all`) before
-every evaluation, every checkpoint and at the end, so evaluation and checkpoints see one
-model; per-epoch figures are gathered only there too (:class:`EpochTables`), so no other
-barrier remains in an epoch. Optimizer state stays each rank's own.
+bit-identical values whatever the arrival order. In every decoupled mode all ranks
+average parameters and moments exactly once more, weighted by training nodes (an
+all-reduce, :meth:`Decoupled.average_all`) before every evaluation, every checkpoint and
+at the end, so evaluation and checkpoints see one model; per-epoch figures are
+gathered only there too (:class:`EpochTables`), so no other barrier remains in an epoch.
+Adam's step count stays each rank's own (equal without a work pool: one step per epoch).
 
 Waits on other ranks inside the store or the group collectives time out after
 ``--timeout`` and end the job naming the rank that stopped (:meth:`Comm.who_stopped`).
@@ -83,8 +96,9 @@ class ParameterSync:
         """After backward: the gradients this rank steps with."""
         self.reducer.finish()
 
-    def after_step(self, step: int) -> None:
-        """After the optimizer step ``step`` (0-based epoch): the mode's averaging."""
+    def before_step(self, step: int) -> None:
+        """Before the optimizer step ``step`` (0-based epoch), after :meth:`finish`: the
+        mode's averaging."""
 
     def average_all(self) -> None:
         """Every rank: make all parameters equal (a sync point)."""
@@ -110,26 +124,31 @@ class Decoupled(ParameterSync):
         self.scale = _scale(global_train, local_train)
         self.timeout = timedelta(seconds=comm.timeout)
 
-    def averaged(self) -> list[Tensor]:
+    def weight(self) -> float:
+        """This rank's weight in every average: its training nodes, as in the job's loss."""
+        return float(self.local_train)
+
+    def averaged(self, grads: bool = False) -> list[Tensor]:
         """What an average covers: the parameters, then the optimizer's per-parameter state
         (Adam's moments). Averaging the moments too matters: with each rank's own second
         moment, a coordinate that a rank's data never touches (sparse features, partitions
         with few classes) gets weight decay alone, which Adam normalises into a full-size
         step towards 0 on that rank; shared moments scale it by every rank's gradients, as
-        the all-reduce would (on Cora, p = 0, 4 ranks: 59% test accuracy without, 81% with)."""
+        the all-reduce would (on Cora, p = 0, 4 ranks: 59% test accuracy without, 81% with).
+        ``grads``: then the gradients (a sync step's)."""
         tensors = [p.detach() for p in self.params]
         for p in self.params:
             state = self.optimizer.state.get(p, {})
             tensors += [state[k] for k in sorted(state) if isinstance(state[k], Tensor) and state[k].shape == p.shape]
-        return tensors
+        return tensors + ([_grad(p) for p in self.params] if grads else [])
 
-    def flat(self) -> Tensor:
-        return torch.cat([t.reshape(-1) for t in self.averaged()])
+    def flat(self, grads: bool = False) -> Tensor:
+        return torch.cat([t.reshape(-1) for t in self.averaged(grads)])
 
-    def load(self, flat: Tensor) -> None:
+    def load(self, flat: Tensor, grads: bool = False) -> None:
         offset = 0
         with torch.no_grad():
-            for t in self.averaged():
+            for t in self.averaged(grads):
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
@@ -137,9 +156,9 @@ class Decoupled(ParameterSync):
         _scale_grads(self.params, self.scale)
 
     def average_all(self) -> None:
-        flat = self.flat()
-        self.comm.all_reduce(flat, "reduction")
-        self.load(flat / self.comm.world_size)
+        weighted = _with_weight(self.flat(), self.weight())
+        self.comm.all_reduce(weighted, "reduction")
+        self.load(_weighted_mean(weighted))
 
     def is_sync_point(self, epoch: int, eval_every: int, checkpoint_every: int, epochs: int) -> bool:
         return evaluates(eval_every, epochs, epoch) or checkpoints(checkpoint_every, epoch)
@@ -149,33 +168,34 @@ class Decoupled(ParameterSync):
         cause = self.comm.who_stopped()
         return PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: {what} took longer than --timeout {self.comm.timeout:g} s"), cause))
 
-    # parameters through the store: [rank: int32][float32 ...]
-    def _publish(self, key: str) -> None:
-        blob = struct.pack("<i", self.comm.rank) + self.flat().to(torch.float32).cpu().numpy().tobytes()
+    # parameters through the store: [rank: int32][weight: float64][float32 ...]
+    def _publish(self, key: str, grads: bool = False) -> None:
+        blob = struct.pack("<id", self.comm.rank, self.weight()) + self.flat(grads).to(torch.float32).cpu().numpy().tobytes()
         self.comm.store.set(key, blob)
         self.comm.stats.sent["reduction"] += len(blob)
 
-    def _average_published(self, keys: list[str], done: str) -> None:
-        """Wait for ``keys`` (one blob each), then load their mean, summed in rank order. The
-        last member to read (counter ``done``) frees the keys."""
+    def _average_published(self, keys: list[str], done: str, grads: bool = False) -> None:
+        """Wait for ``keys`` (one blob each), then load their weighted mean
+        (:meth:`_load_mean`). The last member to read (counter ``done``) frees the keys."""
         try:
             self.comm.store.wait(keys, self.timeout)
         except Exception as exc:  # a dead or hung member
             raise self._lost(f"waiting for the parameters of {len(keys)} ranks ({type(exc).__name__})") from exc
-        self._load_mean(keys)
+        self._load_mean(keys, grads)
         if self.comm.store.add(done, 1) == len(keys):
             for key in keys:
                 self.comm.store.delete_key(key)
 
-
-    def _load_mean(self, keys: list[str]) -> None:
-        """Load the mean of the blobs at ``keys`` (present), summed in rank order in float64."""
-        blobs = sorted((struct.unpack("<i", b[:4])[0], b[4:]) for b in (self.comm.store.get(k) for k in keys))
-        self.comm.stats.received["reduction"] += sum(len(b) + 4 for _, b in blobs)
-        total = np.zeros(len(blobs[0][1]) // 4, dtype=np.float64)
-        for _, data in blobs:
-            total += np.frombuffer(data, dtype=np.float32)
-        self.load(torch.from_numpy(total / len(blobs)).to(self.params[0].dtype).to(self.params[0].device))
+    def _load_mean(self, keys: list[str], grads: bool = False) -> None:
+        """Load the mean of the blobs at ``keys`` (present) weighted by their ranks'
+        :meth:`weight`, summed in rank order in float64."""
+        blobs = sorted((*struct.unpack("<id", b[:12]), b[12:]) for b in (self.comm.store.get(k) for k in keys))
+        self.comm.stats.received["reduction"] += sum(len(b) + 12 for *_, b in blobs)
+        weights = _weights([w for _, w, _ in blobs])
+        total = np.zeros(len(blobs[0][2]) // 4, dtype=np.float64)
+        for weight, (_, _, data) in zip(weights, blobs):
+            total += weight * np.frombuffer(data, dtype=np.float32)
+        self.load(torch.from_numpy(total / sum(weights)).to(self.params[0].dtype).to(self.params[0].device), grads)
 
 
 class Grouped(Decoupled):
@@ -212,7 +232,12 @@ class Grouped(Decoupled):
             offset += p.numel()
         return grads[offset:].tolist() if extra else []  # (a read of the device only when asked)
 
-    def after_step(self, step: int) -> None:
+    def before_step(self, step: int) -> None:
+        self._count_step(step)
+
+    def _count_step(self, step: int) -> None:
+        """Count step ``step``: form the groups after the warm-up, then every ``G`` steps
+        the leaders average; the next step's own work starts here."""
         self.steps += 1
         if self.steps == self.WARMUP_STEPS:
             self._form_groups()
@@ -234,55 +259,59 @@ class Grouped(Decoupled):
                 self.group, self.members = handle, members
         self.leader_ranks = [members[0] for members in groups]
         self.leaders = dist.new_group(self.leader_ranks, timeout=timeout)
-        self.scale = _scale(self.global_train, sum(gathered[r][1] for r in self.members))
+        self.group_train = sum(gathered[r][1] for r in self.members)
+        self.scale = _scale(self.global_train, self.group_train)
         if self.comm.rank == 0:  # every rank decided the same
             self.log.info("speed groups %s from the warm-up step's busy seconds %s", groups, [round(g[0], 3) for g in gathered])
 
     def _leaders_average(self) -> None:
+        """The leaders' sync step: the group leaders average their state and their groups'
+        gradients weighted by the groups' training nodes and broadcast it in their group,
+        so the step that follows is every rank's mean loss from one state."""
         if len(self.leader_ranks) == 1:
             return  # one group: its ranks hold the same parameters already
-        flat = self.flat()
+        flat = _with_weight(self.flat(grads=True), float(self.group_train))  # a leader stands for its group
         try:
             if self.comm.rank in self.leader_ranks:
                 dist.all_reduce(flat, group=self.leaders)
-                flat /= len(self.leader_ranks)
             if len(self.members) > 1:
                 dist.broadcast(flat, src=self.members[0], group=self.group)
         except Exception as exc:
             raise self._lost("the group leaders' parameter average") from exc
-        self.load(flat)
+        self.load(_weighted_mean(flat), grads=True)
 
 
 class Partial(Decoupled):
     """``partial:P`` (see the module)."""
 
-    def after_step(self, step: int) -> None:
-        self._round(f"sync/partial/{step}/", self.comm.world_size)
+    def before_step(self, step: int) -> None:
+        self._round(f"sync/partial/{step}/", self.comm.world_size, grads=True)
 
-    def _round(self, prefix: str, arrivals: int) -> None:
-        """Join the round of this arrival among ``arrivals`` counted under ``prefix``."""
+    def _round(self, prefix: str, arrivals: int, grads: bool = False) -> None:
+        """Join the round of this arrival among ``arrivals`` counted under ``prefix``;
+        ``grads``: the gradients are averaged with the state (a sync step)."""
         store, size_p = self.comm.store, self.mode.every
         arrival = store.add(prefix + "arrivals", 1) - 1
         round_, position = divmod(arrival, size_p)
         size = min(size_p, arrivals - round_ * size_p)
         keys = [f"{prefix}{round_}/{i}" for i in range(size)]
-        self._publish(keys[position])
-        self._average_published(keys, f"{prefix}{round_}/read")
+        self._publish(keys[position], grads)
+        self._average_published(keys, f"{prefix}{round_}/read", grads)
 
 
 class Gossip(Decoupled):
     """``gossip:K`` (see the module)."""
 
-    def after_step(self, step: int) -> None:
+    def before_step(self, step: int) -> None:
         if (step + 1) % self.mode.every:
             return
         partner = self.pair(step)
         if partner is None:
             return
         prefix = f"sync/gossip/{step}/"
-        self._publish(f"{prefix}params/{self.comm.rank}")
+        self._publish(f"{prefix}params/{self.comm.rank}", grads=True)
         pair = sorted((self.comm.rank, partner))
-        self._average_published([f"{prefix}params/{r}" for r in pair], f"{prefix}read/{pair[0]}:{pair[1]}")
+        self._average_published([f"{prefix}params/{r}" for r in pair], f"{prefix}read/{pair[0]}:{pair[1]}", grads=True)
 
     def pair(self, step: int) -> int | None:
         """This rank's partner for the gossip round after ``step`` (:func:`find_partner`)."""
@@ -347,6 +376,21 @@ def _scale(global_train: int, local_train: int) -> float:
     """Gradient factor N / n that turns the engine's loss (divided by the job's N training
     nodes) into the mean over these n; a rank with none steps with no gradient."""
     return global_train / local_train if local_train else 0.0
+
+
+def _weights(weights: list[float]) -> list[float]:
+    """Weights of an average; equal where every member has weight 0 (no training node)."""
+    return weights if sum(weights) > 0 else [1.0] * len(weights)
+
+
+def _with_weight(flat: Tensor, weight: float) -> Tensor:
+    """``[weight * flat, weight]``: summed over ranks, :func:`_weighted_mean` of it is their
+    mean weighted by ``weight``."""
+    return torch.cat([flat * weight, flat.new_tensor([weight])])
+
+
+def _weighted_mean(summed: Tensor) -> Tensor:
+    return summed[:-1] / summed[-1]
 
 
 def _grad(p: nn.Parameter) -> Tensor:

@@ -48,6 +48,10 @@ class PoolSync:
 
     lockstep = False  # rounds: every member steps together (allreduce, grouped)
 
+    def weight(self) -> float:
+        """Equal weights: a rank's steps are on whichever partitions it took."""
+        return 1.0
+
     def start_epoch(self) -> None:
         """Before the epoch's first take."""
 
@@ -106,7 +110,7 @@ class PoolGrouped(PoolSync, Grouped):
         return _mean_over_round(self, num_train, took)
 
     def after_pool_step(self, epoch: int) -> None:
-        self.after_step(self.steps)  # rounds of the group, counted over epochs
+        self._count_step(self.steps)  # rounds of the group, counted over epochs
 
     def _leaders_average(self) -> None:
         if len(self.leader_ranks) == 1:

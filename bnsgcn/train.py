@@ -400,10 +400,10 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
         (loss_sum / job.global_train).backward()
     with account.timed("reduction"):
         job.sync.finish()
-    job.optimizer.step()
     if job.sync.decoupled:
         with account.timed("sync"):
-            job.sync.after_step(epoch)
+            job.sync.before_step(epoch)
+    job.optimizer.step()
     # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
     account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
     if isinstance(job.stale, LagExchange):  # the epochs behind it used, and the waits that bounded them

@@ -4,7 +4,8 @@
 * injected delay: its own phase in the epoch records and report.json, never compute; seeded draws;
 * ``allreduce``: bit-identical with and without the flag (and with a delay injected);
 * each decoupled mode against an independent path to the same numbers: ``grouped`` with one
-  group equals ``allreduce`` (to float rounding: one flat all-reduce instead of buckets);
+  group and ``partial`` with a round of every rank (a sync step of every rank) equal
+  ``allreduce`` (to float rounding: one flat sum instead of buckets);
   ``gossip:1`` on two ranks equals ``partial:2`` exactly (pairing by store locks vs. rounds by
   arrival count: both average the two ranks every step); a ``partial`` round's average does
   not depend on who arrives first (different delays, identical parameters);
@@ -140,12 +141,16 @@ def test_injected_delay_is_reported_as_such_and_allreduce_is_unchanged(tmp_path,
 # --- each mode against an independent path -----------------------------------------------------
 
 
-def test_grouped_with_one_group_equals_allreduce(tmp_path, parts3):
+def test_one_group_and_a_round_of_every_rank_equal_allreduce(tmp_path, parts3):
+    """``grouped:2:1`` sums gradients over every rank; ``partial:3`` of 3 ranks averages
+    every rank's state and gradient (weighted by training nodes) before each step: both are
+    the synchronous step, to float rounding (one flat sum, a float64 sum of float32 blobs)."""
     sync = small(parts3, out=tmp_path / "allreduce")
-    grouped = replace(sync, sync="grouped:2:1", out=tmp_path / "grouped")
-    results = run_ranks(3, [sync, grouped])
-    for name, value in params_of(results, 0).items():
-        np.testing.assert_allclose(params_of(results, 1)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    others = [replace(sync, sync=mode, out=tmp_path / mode.replace(":", "-")) for mode in ("grouped:2:1", "partial:3")]
+    results = run_ranks(3, [sync, *others])
+    for index in (1, 2):
+        for name, value in params_of(results, 0).items():
+            np.testing.assert_allclose(params_of(results, index)[name], value, rtol=1e-5, atol=1e-6, err_msg=(others[index - 1].sync, name))
 
 
 def test_gossip_on_two_ranks_equals_partial_two(tmp_path, parts2):
@@ -222,11 +227,18 @@ def test_gossip_pairing_never_deadlocks(world):
 # --- Cora: accuracy of every mode against synchronous training -------------------------------
 
 CORA_SEEDS = (0, 1, 2)
-# Mean test accuracy over the seeds. The issue's target is 1.5 points; measured here (2026-11-24)
-# the modes came 0.8-1.5 points below all-reduce (partial and gossip depend on arrival order,
-# which without delays is the scheduler's), too near 1.5 for a test that must not fail by
-# chance, so the test holds 3 points: averaging that is wrong (e.g. parameters without Adam's
-# moments: 59% against 81%) fails it by far. The 1.5-point target stays open (issue 16).
+# Mean test accuracy over the seeds. The issue's target is 1.5 points. Measured 2026-11-26
+# (4 ranks on 2 cores shared with other jobs), allreduce 81.0; each mode run twice, with
+# sync steps (bnsgcn.paramsync): grouped:5 79.6 / 79.8, partial:3 79.6 / 79.9, gossip:1
+# 80.1 / 80.1, i.e. 0.9-1.4 points below; seed scores of one mode moved by up to 1.5
+# points between the two runs (arrival order, speed groups: the scheduler's without
+# delays). Averaging after the step instead measured 80.2 / 80.3 / 79.9 the same day (one
+# run each): within the run-to-run spread of a 3-seed mean (up to 0.9: gossip:1 79.5-80.4
+# on 2026-11-24), so no gain or loss shows here. With gaps this near 1.5 a 1.5 bound
+# would fail by chance, so the test holds 3 points: averaging that is wrong (e.g. parameters
+# without Adam's moments: 59% against 81%) fails it by far. The 1.5-point target stays open
+# for these modes (issue 16); a round of every rank is the synchronous step itself
+# (test_one_group_and_a_round_of_every_rank_equal_allreduce).
 CORA_TOLERANCE = 0.03
 # Evaluating every 5 epochs makes every 5th epoch a sync point (one full average) for the
 # decoupled modes; with every 10 they measured 1.4-1.7 points below all-reduce.
