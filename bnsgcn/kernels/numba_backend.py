@@ -602,7 +602,15 @@ def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
 def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, scale, out, keep, mean, rstd):
     n, d = x.shape
     words_per_row = (d + 3) // 4
-    low16 = np.uint64(0xFFFF)
+    # A row's random words, and the same bytes as 16-bit fields: field t of word w is
+    # field 4 w + t (little-endian), element j's is field j. Without dropout (threshold 0)
+    # the words stay 0 and nothing is drawn: every field is kept.
+    words = np.zeros(words_per_row, np.uint64)
+    fields = words.view(np.uint16)
+    kept = np.zeros(8 * keep.shape[1], np.uint8)  # the row's mask, a byte per element, then packed
+    threshold = np.int32(threshold)
+    # Loops over whole rows with no branch on the element: LLVM vectorises them (a loop
+    # packing bits as it goes measured 1.6x slower).
     for i in range(n):
         row = x[i]
         total = x.dtype.type(0)
@@ -614,20 +622,20 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
             squares += (row[j] - mu) * (row[j] - mu)
         r = x.dtype.type(1) / np.sqrt(squares / d + eps)
         mean[i], rstd[i] = mu, r
-        word = np.uint64(first_word + i * words_per_row)
-        for b in range(keep.shape[1]):  # one mask byte: two draws of four 16-bit fields
-            packed = 0
-            for half in range(2):
-                w = 2 * b + half
-                # Without dropout (threshold 0) every field is kept: no draw needed.
-                bits = _splitmix64(seed, word + np.uint64(w)) if threshold and w < words_per_row else np.uint64(0)
-                for t in range(4):  # a fixed trip count: unrolled; the last byte may run past d
-                    j = 4 * w + t
-                    if j < d:
-                        y = (row[j] - mu) * r * weight[j] + bias[j]
-                        kept = ((bits >> np.uint64(16 * t)) & low16) >= threshold and y > 0
-                        packed |= int(kept) << (4 * half + t)
-                        out[i, j] = y * scale * kept
+        if threshold:
+            word = np.uint64(first_word + i * words_per_row)
+            for w in range(words_per_row):
+                words[w] = _splitmix64(seed, word + np.uint64(w))
+        out_row = out[i]
+        for j in range(d):
+            y = (row[j] - mu) * r * weight[j] + bias[j]
+            k = (np.int32(fields[j]) >= threshold) & (y > 0)
+            kept[j] = k
+            out_row[j] = y * scale * k
+        for b in range(keep.shape[1]):
+            packed = np.uint8(0)
+            for t in range(8):
+                packed |= kept[8 * b + t] << t
             keep[i, b] = packed
 
 
