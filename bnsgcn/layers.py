@@ -21,19 +21,23 @@ from .kernels import gat_aggregate, spmm, spmm_add_
 
 def narrow_aggregation(lin: nn.Linear) -> bool:
     """The layer multiplies first and aggregates ``d_out`` < ``d_in`` columns: recomputing
-    it in backward costs its dense products and a narrow aggregation, little next to the
-    activations [n_inner, d_in] it would otherwise keep (:class:`bnsgcn.model.GNN`)."""
+    it in backward costs its dense products, little next to the activations
+    [n_inner, d_in] it would otherwise keep (:class:`bnsgcn.model.GNN`). Its aggregation
+    keeps nothing for backward, so when nothing keeps the layer's output either (the output
+    layer) the recomputation runs the products alone (``dense_products``)."""
     return lin.in_features > lin.out_features
 
 
-def aggregate(g: EpochGraph, x: Tensor, slot: int) -> Tensor:
-    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d].
+def aggregate(g: EpochGraph, x: Tensor, slot: int, into: Tensor | None = None) -> Tensor:
+    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d]; with
+    ``into`` (a layer's other term, [n_inner, d], which nothing keeps for backward) added
+    into it in place: ``into + A x`` without a temporary.
 
     The inner columns' product runs while the boundary rows are in flight (and in backward,
     while their gradients are).
     """
     boundary = g.start_boundary_rows(x, slot)
-    out = spmm(g.inner, x)
+    out = spmm(g.inner, x) if into is None else spmm_add_(into, g.inner, x)
     return spmm_add_(out, g.boundary, boundary.wait())
 
 
@@ -57,12 +61,26 @@ class SAGEConv(nn.Module):
         self.lin_self = nn.Linear(d_in, d_out)
         self.lin_neigh = nn.Linear(d_in, d_out, bias=False)
 
+    def dense_products(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(W_s x + b, W_n x)`` [n, d_out] each, as the multiply-first forward computes them;
+        a recomputation for backward runs only this (see :func:`narrow_aggregation`).
+
+        One GEMM with both weights stacked, [n, d_in] -> [n, 2 d_out]: backward's input
+        gradient is then one GEMM into one output, not two summed (each [n, d_in])."""
+        both = F.linear(x, torch.cat([self.lin_self.weight, self.lin_neigh.weight]))
+        own, neighbour = both.split(self.lin_self.out_features, dim=1)
+        return own + self.lin_self.bias, neighbour.contiguous()
+
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        if x_agg is None and self.lin_neigh.in_features > self.lin_neigh.out_features:
-            return self.lin_self(x) + aggregate(g, self.lin_neigh(x), self.slot)
+        if x_agg is None and self.cheap_to_recompute:
+            # the neighbour term summed into the self term's output (which linear does not
+            # keep): no second output [n, d_out] to allocate, fault in and add
+            own, neighbour = self.dense_products(x)
+            return aggregate(g, neighbour, self.slot, into=own)
         neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
-        # addmm adds the neighbour product inside the GEMM: no separate pass over the output.
-        return torch.addmm(self.lin_self(x), neighbours, self.lin_neigh.weight.t())
+        # addmm_ adds the neighbour product inside the GEMM, into its output: no pass of its own
+        # (the out-of-place addmm copies its input first, into fresh memory: 1.5x the time here)
+        return self.lin_self(x).addmm_(neighbours, self.lin_neigh.weight.t())
 
 
 class GCNConv(nn.Module):
@@ -83,9 +101,14 @@ class GCNConv(nn.Module):
         self.lin = nn.Linear(d_in, d_out, bias=False)
         self.bias = nn.Parameter(torch.zeros(d_out))
 
+    def dense_products(self, x: Tensor) -> tuple[Tensor]:
+        """``(W x,)`` [n, d_out]: what a multiply-first forward computes before aggregating;
+        a recomputation for backward runs only this (see :func:`narrow_aggregation`)."""
+        return (self.lin(x),)
+
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
-        if x_agg is None and self.lin.in_features > self.lin.out_features:
-            return aggregate(g, self.lin(x), self.slot) + self.bias
+        if x_agg is None and self.cheap_to_recompute:
+            return aggregate(g, *self.dense_products(x), self.slot) + self.bias
         return F.linear(x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight, self.bias)
 
 

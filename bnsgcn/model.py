@@ -77,7 +77,9 @@ class GNN(nn.Module):
     its inside in backward (dropout masks too: the random state is restored). Always, a
     layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
     output layer, [n_inner, hidden] -> [n_inner, classes]) is one segment with the norm
-    before it: it keeps ``y`` [n_inner, hidden] instead of ``y``, the mask and ``h``. With
+    before it: it keeps ``y`` [n_inner, hidden] instead of ``y``, the mask and ``h``, and
+    its recomputation runs the norm and the layer's dense products only (the aggregation
+    keeps nothing for backward, and the layer's output is not used again). With
     ``remat`` (``--remat``) every layer is a segment, together with the norm, activation
     and dropout before it (unless the norm is ``batch``, whose statistics are all-reduced:
     it stays outside). A segment of layer ``l`` then keeps ``y_{l-1}`` [n_inner, d] (the
@@ -129,11 +131,13 @@ class GNN(nn.Module):
         self.kept_for_recompute = []
         # layers recomputed in backward even without remat (see the class docstring)
         always = [False] + [layer.cheap_to_recompute for layer in self.layers[1:]]
-        if self.training and torch.is_grad_enabled() and g is not None:
-            # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
-            g.keep_rows(frozenset(i for i, cheap in enumerate(always) if self.remat or cheap))
-        h = self._segment(g, self._first_layer, x, x_agg, g)
         last = len(self.layers) - 1
+        if self.training and torch.is_grad_enabled() and g is not None:
+            # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i);
+            # a recomputed output layer that multiplies first does not aggregate (see _layer)
+            replayed = [i for i, cheap in enumerate(always) if self.remat or cheap]
+            g.keep_rows(frozenset(i for i in replayed if not (i == last and self.layers[i].cheap_to_recompute)))
+        h = self._segment(g, self._first_layer, x, x_agg, g)
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
@@ -162,7 +166,13 @@ class GNN(nn.Module):
 
     def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
-        return self.layers[i](y if norm is None else self._between_layers(norm, y), g)
+        h = y if norm is None else self._between_layers(norm, y)
+        layer = self.layers[i]
+        if g.replaying and i == len(self.layers) - 1 and layer.cheap_to_recompute:
+            # recomputed for backward, which needs of the output layer only what its dense
+            # products keep: its aggregation keeps nothing, and the output goes unused
+            return layer.dense_products(h)[0]
+        return layer(h, g)
 
     def _last_two_layers(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module) -> Tensor:
         """Layer ``i`` and the output layer ``i + 1``, each with the step before it."""

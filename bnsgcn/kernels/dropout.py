@@ -106,4 +106,4 @@ class RecomputedDropout:
 def _redraw(recipe: tuple[Tensor, int, float, int]) -> Tensor:
     """``x * keep * scale`` with the mask of ``seed``."""
     x, threshold, scale, seed = recipe
-    return kernel_backend(x.device).dropout(x, threshold, scale, seed)[0]
+    return kernel_backend(x.device).dropout(x, threshold, scale, seed, with_mask=False)[0]

@@ -180,16 +180,16 @@ def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generat
     return scaled.floor_().clamp_(0, levels).to(torch.uint8)
 
 
-def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None) -> tuple[Tensor, Tensor]:
+def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, with_mask: bool = True) -> tuple[Tensor, Tensor | None]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, the bits
     drawn as 64-bit words from torch's generator, or from a generator seeded with ``seed``
-    (the same mask for the same seed and shape)."""
+    (the same mask for the same seed and shape); ``keep`` None without ``with_mask``."""
     n = x.numel()
     generator = None if seed is None else torch.Generator(device=x.device).manual_seed(seed)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None, generator=generator)
     bits = words.view(torch.int16)[:n].view(x.shape)  # uniform over [-2^15, 2^15)
     keep = bits >= threshold - 2**15
-    return (x * keep).mul_(scale), keep
+    return (x * keep).mul_(scale), keep if with_mask else None
 
 
 def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
