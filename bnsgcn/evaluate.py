@@ -99,11 +99,12 @@ class Evaluation:
         aggregate = lambda y: self._aggregate(graph, plan, y)  # noqa: E731
         if isinstance(layer, SAGEConv):
             if narrow_aggregation(layer.lin_neigh):  # multiply first: fewer columns cross
-                return layer.lin_self(x) + aggregate(layer.lin_neigh(x))
-            return torch.addmm(layer.lin_self(x), aggregate(x), layer.lin_neigh.weight.t())
+                own, neighbour = layer.dense_products(x)
+                return self._aggregate(graph, plan, neighbour, into=own)
+            return layer.lin_self(x).addmm_(aggregate(x), layer.lin_neigh.weight.t())
         if isinstance(layer, GCNConv):
             if narrow_aggregation(layer.lin):
-                return aggregate(layer.lin(x)) + layer.bias
+                return aggregate(*layer.dense_products(x)) + layer.bias
             return F.linear(aggregate(x), layer.lin.weight, layer.bias)
         if isinstance(layer, GATConv):
             return self._attention(layer, x, graph, plan)
@@ -126,13 +127,20 @@ class Evaluation:
             part_row = tuple(part.shape[1:])
             yield columns, part, lambda: finish_rows(self.comm, plan, work, arrived, self.exchange.send_buffer, EXACT, part_row, part.dtype, CATEGORY)
 
-    def _aggregate(self, graph: ShardGraph, plan: ExchangePlan, x: Tensor) -> Tensor:
-        """``A x`` over inner and every boundary column, [n_inner, d] -> [n_inner, d]; the
-        inner product of a slice runs while its boundary rows are in flight."""
-        out = None
+    def _aggregate(self, graph: ShardGraph, plan: ExchangePlan, x: Tensor, into: Tensor | None = None) -> Tensor:
+        """``A x`` over inner and every boundary column, [n_inner, d] -> [n_inner, d]; with
+        ``into`` [n_inner, d], ``into + A x`` summed into it in the order
+        :func:`bnsgcn.layers.aggregate` sums (``into`` first). The inner product of a slice
+        runs while its boundary rows are in flight."""
+        out = into
         for columns, part, boundary_rows in self._slices(x, plan):
-            y = spmm_add_(spmm(graph.inner, part), graph.boundary, boundary_rows())
-            if columns.stop - columns.start == x.shape[1]:
+            whole = columns.stop - columns.start == x.shape[1]
+            if into is None:
+                y = spmm(graph.inner, part)
+            else:  # one slice sums into ``into`` itself; narrower ones into a copy of its columns
+                y = spmm_add_(into if whole else into[:, columns].contiguous(), graph.inner, part)
+            y = spmm_add_(y, graph.boundary, boundary_rows())
+            if whole:
                 return y  # one slice: no copy
             if out is None:
                 out = x.new_empty(x.shape)
