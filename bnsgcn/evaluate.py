@@ -43,7 +43,7 @@ from .compress import EXACT
 from .exchange import BoundaryExchange, Buffer, ExchangePlan, finish_rows, start_rows
 from .graph import ShardGraph
 from .kernels import gat_aggregate, spmm, spmm_add_
-from .layers import GATConv, GCNConv, SAGEConv, narrow_aggregation
+from .layers import GATConv, GCNConv, SAGEConv
 from .model import GNN
 
 CATEGORY = "evaluation"  # the accounting category of the rows evaluation moves (never compressed)
@@ -98,12 +98,12 @@ class Evaluation:
             return layer(x, None, x_agg)
         aggregate = lambda y: self._aggregate(graph, plan, y)  # noqa: E731
         if isinstance(layer, SAGEConv):
-            if narrow_aggregation(layer.lin_neigh):  # multiply first: fewer columns cross
+            if layer.cheap_to_recompute:  # multiply first: fewer columns cross
                 own, neighbour = layer.dense_products(x)
                 return self._aggregate(graph, plan, neighbour, into=own)
             return layer.lin_self(x).addmm_(aggregate(x), layer.lin_neigh.weight.t())
         if isinstance(layer, GCNConv):
-            if narrow_aggregation(layer.lin):
+            if layer.cheap_to_recompute:
                 return aggregate(*layer.dense_products(x)) + layer.bias
             return F.linear(aggregate(x), layer.lin.weight, layer.bias)
         if isinstance(layer, GATConv):
