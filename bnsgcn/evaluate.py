@@ -158,14 +158,13 @@ class Evaluation:
     def _attention(self, layer: GATConv, x: Tensor, graph: ShardGraph, plan: ExchangePlan) -> Tensor:
         """A GAT layer (:class:`~bnsgcn.layers.GATConv`) with every boundary column, its
         aggregation in slices of each head's columns."""
-        z = layer.lin(x).view(-1, layer.heads, layer.d_out)
-        score_dst = (z * layer.att_dst).sum(-1)
-        score_src = (z * layer.att_src).sum(-1)
+        z = layer.project(x)
+        score_dst = layer.target_scores(z)
+        score_src = layer.source_scores(z)
         score_src = torch.cat([score_src, self._boundary_rows(score_src, plan)])
         out = z.new_empty(z.shape)
         for columns, part, boundary_rows in self._slices(z, plan):
             z_all = torch.cat([part, boundary_rows()])
             # p = 1: every column weighs 1 (no column weights)
             out[..., columns] = gat_aggregate(graph.full, z_all, score_src, score_dst, None, layer.negative_slope)
-        out = out.reshape(out.shape[0], -1) if layer.concat else out.mean(1)
-        return out + layer.bias
+        return layer.combine_heads(out)

@@ -141,14 +141,29 @@ class GATConv(nn.Module):
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
         assert x_agg is None, "GAT has no precomputed first layer"
-        z = self.lin(x).view(-1, self.heads, self.d_out)
+        z = self.project(x)
         if self.lin.in_features < self.heads * self.d_out:
-            z_boundary = self.lin(g.boundary_rows(x, self.slot)).view(-1, self.heads, self.d_out)
+            z_boundary = self.project(g.boundary_rows(x, self.slot))
         else:
             z_boundary = g.boundary_rows(z, self.slot)
         z_all = torch.cat([z, z_boundary])
-        score_src = (z_all * self.att_src).sum(-1)
-        score_dst = (z * self.att_dst).sum(-1)
-        out = gat_aggregate(g.full, z_all, score_src, score_dst, g.column_weight, self.negative_slope)
+        out = gat_aggregate(g.full, z_all, self.source_scores(z_all), self.target_scores(z), g.column_weight, self.negative_slope)
+        return self.combine_heads(out)
+
+    def project(self, x: Tensor) -> Tensor:
+        """``z = W x`` per head: [n, d_in] -> [n, heads, d_out]."""
+        return self.lin(x).view(-1, self.heads, self.d_out)
+
+    def source_scores(self, z: Tensor) -> Tensor:
+        """``a_s^T z_u`` per head: [n, heads, d_out] -> [n, heads]."""
+        return (z * self.att_src).sum(-1)
+
+    def target_scores(self, z: Tensor) -> Tensor:
+        """``a_d^T z_v`` per head: [n, heads, d_out] -> [n, heads]."""
+        return (z * self.att_dst).sum(-1)
+
+    def combine_heads(self, out: Tensor) -> Tensor:
+        """The heads' aggregations [n, heads, d_out] concatenated ([n, heads * d_out]) or
+        averaged ([n, d_out]), plus the bias."""
         out = out.reshape(out.shape[0], -1) if self.concat else out.mean(1)
         return out + self.bias
