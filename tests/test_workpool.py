@@ -7,7 +7,7 @@
   independent dense float64 reference that trains on the partitions in the pool's order
   (one partition per step, or rounds of two with the round's mean loss);
 * with ranks of different speeds, every partition is taken exactly once per epoch in every
-  mode, and the fast rank takes more; the job ends with one model;
+  mode, and the fast ranks take more; the job ends with one model;
 * Cora (8 partitions, 2 ranks, p = 0): every mode within the tolerance of the pool's
   synchronous all-reduce;
 * bad combinations are refused in one line; a killed rank is named.
@@ -173,8 +173,10 @@ def test_every_partition_once_per_epoch_with_a_slow_rank(parts6, tmp_path, sync)
         parts = sorted(p for rank in taken for p in rank.get(epoch, []))
         assert parts == list(range(PARTS)), (sync, epoch, taken)
     per_rank = [sum(len(v) for v in rank.values()) for rank in taken]
-    if sync in ("partial:2", "gossip:1"):  # free modes: the fast ranks take more
-        assert per_rank[0] < min(per_rank[1:]), (sync, per_rank)
+    if sync in ("partial:2", "gossip:1"):
+        # Free modes: the fast ranks take more, together. Not each of them: a fast rank that
+        # gossips with the slow one waits for it, and the other fast rank may take the rest.
+        assert per_rank[0] < sum(per_rank[1:]) / 2, (sync, per_rank)
     lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
     assert [sum(line["per_rank"]["steps"]) for line in lines if "per_rank" in line] == [PARTS] * epochs
     params = [r[0]["params"] for r in results]
