@@ -121,6 +121,9 @@ class GNN(nn.Module):
             if not last:
                 self.norms.append(_norm(config.norm, d_out, reduce))
             d_in = d_out
+        # Recomputed for backward, an output layer that multiplies first needs only its dense
+        # products: its aggregation keeps nothing, and its output goes unused (see _layer).
+        self.replay_skips_aggregation = [i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
 
     def parameters_in_forward_order(self) -> list[nn.Parameter]:
         """Layer 0, norm 0, layer 1, ...: backward produces their gradients in reverse."""
@@ -133,10 +136,8 @@ class GNN(nn.Module):
         always = [False] + [layer.cheap_to_recompute for layer in self.layers[1:]]
         last = len(self.layers) - 1
         if self.training and torch.is_grad_enabled() and g is not None:
-            # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i);
-            # a recomputed output layer that multiplies first does not aggregate (see _layer)
-            replayed = [i for i, cheap in enumerate(always) if self.remat or cheap]
-            g.keep_rows(frozenset(i for i in replayed if not (i == last and self.layers[i].cheap_to_recompute)))
+            # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
+            g.keep_rows(frozenset(i for i, cheap in enumerate(always) if (self.remat or cheap) and not self.replay_skips_aggregation[i]))
         h = self._segment(g, self._first_layer, x, x_agg, g)
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
@@ -168,9 +169,7 @@ class GNN(nn.Module):
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
         h = y if norm is None else self._between_layers(norm, y)
         layer = self.layers[i]
-        if g.replaying and i == len(self.layers) - 1 and layer.cheap_to_recompute:
-            # recomputed for backward, which needs of the output layer only what its dense
-            # products keep: its aggregation keeps nothing, and the output goes unused
+        if g.replaying and self.replay_skips_aggregation[i]:
             return layer.dense_products(h)[0]
         return layer(h, g)
 

@@ -330,7 +330,7 @@ def _resume(job: Job) -> tuple[int, Best]:
     """The first epoch to run and the best model so far: from the checkpoint with --resume."""
     if not job.config.resume:
         return 0, Best()
-    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale is not None, lagged=isinstance(job.stale, LagExchange))
+    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale)
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
@@ -528,10 +528,10 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
 
 
-def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: bool, lagged: bool = False) -> tuple[dict | None, dict | None]:
+def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: StaleExchange | LagExchange | None) -> tuple[dict | None, dict | None]:
     """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
-    staleness, its own part: written by :mod:`bnsgcn.lag` when ``lagged``), or every rank
-    stops with the first rank's error."""
+    staleness, its own part: written by :mod:`bnsgcn.lag` for a :class:`LagExchange`), or
+    every rank stops with the first rank's error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
@@ -547,13 +547,13 @@ def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: 
     try:
         if state is None:  # rank 0 has it already
             state = checkpoint.load(chosen, signature)
-        if stale:
+        if stale is not None:
             stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
             p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
             path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
             if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
                 raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
-            if ("lag" in stale_state) != lagged:  # the two exchanges hold their rows differently
+            if ("lag" in stale_state) != isinstance(stale, LagExchange):  # the two exchanges hold their rows differently
                 flags = ("--max-lag", "add --max-lag (any S)") if "lag" in stale_state else ("no --max-lag", "drop --max-lag")
                 raise UserError(f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out")
     except UserError as exc:
