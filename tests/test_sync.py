@@ -12,8 +12,8 @@
 * gossip pairing over many rounds with random delays: never deadlocks (bounded time), every
   pair is mutual, exactly ``world mod 2`` rank is left alone per round;
 * steps per rank, waits in sync and the final single model in the records and report;
-* Cora (public split, 4 ranks, p = 0, 3 seeds): every mode's mean test accuracy within
-  3 points of synchronous all-reduce training (the issue's target is 1.5; see CORA_TOLERANCE);
+* Cora (public split, 4 ranks, p = 0, 3 seeds): every mode's mean test accuracy (of the
+  model the run ends with) within 1.5 points of synchronous all-reduce training;
 * a rank killed (any mode) or hung (store-based modes) ends the job with the rank named.
 """
 
@@ -26,6 +26,7 @@ import re
 import time
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,19 +228,17 @@ def test_gossip_pairing_never_deadlocks(world):
 # --- Cora: accuracy of every mode against synchronous training -------------------------------
 
 CORA_SEEDS = (0, 1, 2)
-# Mean test accuracy over the seeds. The issue's target is 1.5 points. Measured 2026-11-26
-# (4 ranks on 2 cores shared with other jobs), allreduce 81.0; each mode run twice, with
-# sync steps (bnsgcn.paramsync): grouped:5 79.6 / 79.8, partial:3 79.6 / 79.9, gossip:1
-# 80.1 / 80.1, i.e. 0.9-1.4 points below; seed scores of one mode moved by up to 1.5
-# points between the two runs (arrival order, speed groups: the scheduler's without
-# delays). Averaging after the step instead measured 80.2 / 80.3 / 79.9 the same day (one
-# run each): within the run-to-run spread of a 3-seed mean (up to 0.9: gossip:1 79.5-80.4
-# on 2026-11-24), so no gain or loss shows here. With gaps this near 1.5 a 1.5 bound
-# would fail by chance, so the test holds 3 points: averaging that is wrong (e.g. parameters
-# without Adam's moments: 59% against 81%) fails it by far. The 1.5-point target stays open
-# for these modes (issue 16); a round of every rank is the synchronous step itself
-# (test_one_group_and_a_round_of_every_rank_equal_allreduce).
-CORA_TOLERANCE = 0.03
+# Mean over the seeds of the test accuracy of the model a run ends with (after the final
+# average of every rank's parameters): the issue's target, 1.5 points. Not the test score at
+# the best-validation epoch: picking one of 40 evaluations by a 500-node validation set
+# adds noise of its own. Measured 2026-11-26 (4 ranks on 2 cores, 5 seeds, other work
+# running): allreduce 80.50 (seed sd 0.35); gossip:1 -0.38 (sd 0.34), grouped:5 -0.26
+# (0.27), partial:3 -0.18 (0.46); seeds 0-2 alone -0.20 to -0.40. At the best-validation
+# epoch the same runs were 0.58-0.76 below (seed sd 0.53-0.71, 1.0 for seeds 0-2), and
+# 0.9-1.4 on 2026-11-26 under heavier load: too near 1.5 for a test that must not fail
+# by chance. Averaging that is wrong (e.g. parameters without Adam's moments: 59% against
+# 81%) fails by far.
+CORA_TOLERANCE = 0.015
 # Evaluating every 5 epochs makes every 5th epoch a sync point (one full average) for the
 # decoupled modes; with every 10 they measured 1.4-1.7 points below all-reduce.
 
@@ -255,7 +254,13 @@ def cora_scores(parts, sync: str, out) -> list[float]:
         for seed in CORA_SEEDS
     ]
     run_ranks(4, configs, timeout=600)
-    return [json.loads((c.out / "metrics.jsonl").read_text().splitlines()[-1])["test_score"] for c in configs]
+    return [_final_test_score(c.out / "metrics.jsonl", c.epochs) for c in configs]
+
+
+def _final_test_score(metrics: Path, epochs: int) -> float:
+    """The last epoch's test accuracy (every run evaluates after its last epoch)."""
+    (last,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r]
+    return last["test_score"]
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +269,8 @@ def cora_sync_scores(cora_parts, tmp_path_factory):
 
 
 # partial:3 rather than 2 of the 4 ranks: rounds form in arrival order, which without delays
-# is the scheduler's, and partial:2 measured 0.8-1.4 points below all-reduce: too near the
-# bound for a test that must not fail by chance.
+# is the scheduler's, and partial:2 measured 0.8-1.4 points below all-reduce (at the
+# best-validation epoch, 2026-11-24): too near the bound for a test that must not fail by chance.
 @pytest.mark.parametrize("mode", ("grouped:5", "partial:3", "gossip:1"))
 def test_cora_accuracy_matches_synchronous_training(cora_parts, cora_sync_scores, tmp_path, mode):
     scores = cora_scores(cora_parts, mode, tmp_path)
