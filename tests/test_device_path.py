@@ -49,10 +49,7 @@ SITES = {
     "stale.StaleExchange.prepare:nonzero": "host",
     "kernels.backend.draw_seed:__int__": "host",  # a dropout seed drawn on the CPU (RecomputedDropout)
     "train._train:__float__": "host",
-    "train._epoch_record:__float__": "host",
-    "train._epoch_record:__int__": "host",
-    "train._epoch_record:tolist": "host",  # the gathered table is on the CPU
-    "train._epoch_record.<locals>.<dictcomp>:__int__": "host",
+    "train._epoch_record:numpy": "host",  # the gathered table is on the CPU (rank 0 only)
     "train._scores:tolist": "host",
 }
 
