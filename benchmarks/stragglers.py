@@ -6,6 +6,7 @@ when some ranks are slower (injected delays), on the emulated cluster.
     python -m benchmarks.stragglers --quick --no-cluster --out /tmp/s.json   # tiny, 4 ranks, loopback
     python -m benchmarks.stragglers --dry-run           # print the plan, run nothing
     python -m benchmarks.stragglers --render benchmarks/results/stragglers.json   # tables again
+    python -m benchmarks.stragglers --relative-delays --out /tmp/r.json   # delays scaled to this machine
 
 Every run trains the same model (GraphSAGE 2 x 64, dropout 0.2, no precomputation, Adam lr
 0.01, layer norm) with the same seed on the suite's synthetic accuracy graph
@@ -31,6 +32,15 @@ epoch whose validation score reaches the best validation score of the ``allreduc
 of the same seed minus 1 point (0.01). The issue's target: the best decoupled or pool mode
 reaches that in at most 0.6x the ``allreduce`` p = 0 run's time.
 
+Delays relative to the machine (``--relative-delays``): the fixed delays make a different
+regime on a slower or faster CPU (the baseline's epoch is mostly the slow ranks' sleep, which
+does not change, while the pool's epochs are compute and scale with the CPU). With the flag a
+short calibration job (the baseline for :data:`CALIBRATION_EPOCHS` epochs) measures what this
+machine adds to the slowest rank's sleep per epoch, and every delay is scaled by that over the
+same figure on the machine the delays were set on (:attr:`Setting.reference_non_delay_s`), as
+the emulated cluster scales the links to keep a GPU cluster's ratio of communication to
+compute (REFERENCE.md section 9).
+
 Results go to ``--out`` (rewritten atomically after every run); tables to stdout; with
 matplotlib a figure of the validation curves next to it (``<out>-curves.png``).
 """
@@ -45,7 +55,8 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,11 +68,11 @@ from benchmarks.suite import ACCURACY, _table, execute, machine, write_json  # n
 from bnsgcn import report  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
 
-DATE = "2026-11-24"  # the date the results in benchmarks/results/stragglers.json were measured
 TARGET_POINTS = 0.01  # the target: the baseline's best validation score minus 1 point
 TARGET_RATIO = 0.6  # the issue's target: the best mode reaches it in <= 0.6x the baseline's time
 BASELINE = "allreduce"  # the label of the synchronous p = 0 run that sets the target
 TARGET_TEXT = "the best mode reaches synchronous all-reduce's accuracy (within 1 point) in <= 0.6x the time"
+CALIBRATION_EPOCHS = 20  # --relative-delays: the calibration job's epochs (the first two are left out)
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,9 @@ class Setting:
     pool_syncs: tuple[str, ...]  # every mode with the pool (allreduce first)
     baseline_p: tuple[float, ...]  # allreduce without the pool at these p (0 first: the baseline)
     timeout_s: float
+    # the baseline's seconds per epoch beyond its slowest rank's delay on the machine the delays
+    # were set on: --relative-delays scales them by this machine's figure over this one
+    reference_non_delay_s: float
     # decoupled --sync with the pool -> --eval-every of an extra run: its epochs are shorter,
     # so evaluations (sync points, where every rank meets) as often in seconds as the baseline's
     pool_eval_every: dict[str, int] = field(default_factory=dict)
@@ -108,6 +122,9 @@ FULL = Setting(
     syncs=("grouped:5", "partial:4", "partial:6", "gossip:1", "gossip:4"),
     pool_syncs=("allreduce", "grouped:5", "grouped:1", "partial:2", "partial:4", "gossip:1", "gossip:4"),
     baseline_p=(0.0, 0.1), timeout_s=900,
+    # 2026-11-24, Xeon (benchmarks/results/stragglers.json, allreduce-s0): the median over its
+    # evaluations of the seconds per epoch since the previous one, 0.851 s, less the 0.8 s sleep
+    reference_non_delay_s=0.051,
     # 5 epochs of the baseline (0.9 s each) are about 30 of pool partial:2 (0.15 s) and 15 of
     # pool gossip:4 (0.29 s)
     pool_eval_every={"partial:2": 30, "gossip:4": 15},
@@ -118,6 +135,7 @@ QUICK = Setting(
     model_flags=("--model", "graphsage", "--layers", "2", "--hidden", "16", "--dropout", "0.2", "--no-precompute", "--lr", "0.01"),
     eval_every=2, delays={0: 0.1, 2: 0.05},  # slow 0 (node 0), medium 2 (node 1), fast 1, 3
     epochs=10, pool_epochs={"*": 10}, syncs=("partial:2",), pool_syncs=("allreduce", "gossip:1"), baseline_p=(0.0, 0.1), timeout_s=120,
+    reference_non_delay_s=0.05,
 )
 
 
@@ -143,6 +161,12 @@ class Planned:
 def delay_spec(delays: dict[int, float], scale: float = 1.0) -> str:
     """``--inject-delay`` of per-rank seconds times ``scale`` (``0:0.8,1:0.8,...``)."""
     return ",".join(f"{rank}:{seconds * scale:g}" for rank, seconds in sorted(delays.items()))
+
+
+def scaled_spec(spec: str, scale: float) -> str:
+    """An ``--inject-delay`` spec (fixed seconds per rank) with every delay times ``scale``."""
+    pairs = (item.split(":") for item in spec.split(","))
+    return ",".join(f"{rank}:{float(seconds) * scale:.4g}" for rank, seconds in pairs)
 
 
 def label(sync: str, pool: bool, p: float = 0.0) -> str:
@@ -230,6 +254,22 @@ def training_curve(epochs: list[dict]) -> list[tuple[int, float, float, float]]:
         if record.get("val_score") is not None:
             curve.append((record["epoch"], record["time"]["elapsed"] - evaluation, record["val_score"], record["test_score"]))
     return curve
+
+
+def non_delay_seconds(epochs: list[dict], delays: dict[int, float]) -> float:
+    """What a machine adds to the injected sleep: the median epoch of a synchronous run
+    (``time.elapsed`` steps less evaluation), past the first two (start-up), less the slowest
+    rank's delay."""
+    ends = [record["time"]["elapsed"] for record in epochs]
+    seconds = [b - a - record["time"].get("evaluation", 0.0) for a, b, record in zip(ends, ends[1:], epochs[1:])][1:]
+    if not seconds:
+        raise UserError(f"the calibration job ran {len(epochs)} epochs; it needs at least 3")
+    return float(sorted(seconds)[len(seconds) // 2]) - max(delays.values(), default=0.0)
+
+
+def calibration_run(setting: Setting) -> Planned:
+    """The baseline with the setting's fixed delays, evaluated once at its end."""
+    return Planned("calibration", "allreduce", False, 0.0, CALIBRATION_EPOCHS, 0, delay_spec(setting.delays), setting.parts, CALIBRATION_EPOCHS)
 
 
 def read_run(run_dir: Path, run: Planned) -> dict:
@@ -322,16 +362,20 @@ def load_document(out: Path) -> dict:
         return {"runs": []}
 
 
-def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, command: str, use_cluster: bool) -> dict:
-    """Partition, (build the cluster and measure its link,) run everything; the document."""
-    document = load_document(out) | {
-        "benchmark": "stragglers", "preset": setting.name, "date": DATE, "machine": machine(),
-        "setting": asdict(setting) | {"ranks": setting.ranks, "cluster": use_cluster},
+def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, command: str, use_cluster: bool, relative: bool = False) -> dict:
+    """Partition, (build the cluster and measure its link,) (calibrate the delays,) run
+    everything; the document."""
+    earlier = load_document(out)
+    document = earlier | {
+        "benchmark": "stragglers", "preset": setting.name, "date": date.today().isoformat(), "machine": machine(),
+        "setting": asdict(setting) | {"ranks": setting.ranks, "cluster": use_cluster}, "relative_delays": relative,
     }
-    if document.get("preset") != setting.name:
+    if (earlier.get("preset"), earlier.get("relative_delays", False)) != (setting.name, relative):  # records of another plan
         document["runs"], document["commands"] = [], []
+        document.pop("delay_scale", None)
     document["commands"] = document.get("commands", []) + [command]  # every invocation whose records are here
     records = {r["name"]: r for r in document["runs"]}
+    scale = 1.0
     for parts in dict.fromkeys(r.parts for r in runs):
         command_ = partition_command(work, setting, parts)
         print(f"partition: {shlex.join(command_)}", file=sys.stderr, flush=True)
@@ -339,9 +383,28 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
         if error is not None:
             raise UserError(f"partitioning failed: {error.splitlines()[-1]}")
 
+    def calibrate(execute_run) -> None:
+        """--relative-delays: measure this machine, scale every run's delays."""
+        nonlocal runs, scale
+        run = calibration_run(setting)
+        print(f"calibration: {run.epochs} epochs of the baseline with the fixed delays", file=sys.stderr, flush=True)
+        shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
+        error, _ = execute_run(run)
+        if error is not None:
+            raise UserError(f"the calibration job failed: {error.splitlines()[-1]}")
+        measured = non_delay_seconds(read_records(work / "runs" / run.name)[0], setting.delays)
+        if measured <= 0:
+            raise UserError(f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); run it again on a quieter machine")
+        scale = measured / setting.reference_non_delay_s
+        document["delay_scale"] = {"reference_non_delay_s": setting.reference_non_delay_s, "measured_non_delay_s": measured, "scale": scale,
+                                   "calibration_epochs": run.epochs}
+        print(f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {scale:.3f}",
+              file=sys.stderr, flush=True)
+        runs = [replace(r, delay_spec=scaled_spec(r.delay_spec, scale)) for r in runs]
+
     def one(i: int, run: Planned, execute_run) -> None:
         print(f"[{i}/{len(runs)}] {run.name}", file=sys.stderr, flush=True)
-        record = asdict(run) | {"name": run.name, "date": DATE, "ranks": setting.ranks, "delays_per_epoch": {str(k): v for k, v in setting.delays.items()}}
+        record = asdict(run) | {"name": run.name, "date": date.today().isoformat(), "ranks": setting.ranks, "delays_per_epoch": {str(k): v * scale for k, v in setting.delays.items()}}
         shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
         start = time.perf_counter()
         error, extra = execute_run(run)
@@ -364,9 +427,14 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
         write_json(out, document)
 
     if not use_cluster:
-        for i, run in enumerate(runs, 1):
+        def on_loopback(run: Planned) -> tuple[str | None, dict]:
             command_ = loopback_command(work, setting, run)
-            one(i, run, lambda r, c=command_: (execute(c, threads_per_rank(setting), int(setting.timeout_s))[1], {"command": shlex.join(c)}))
+            return execute(command_, threads_per_rank(setting), int(setting.timeout_s))[1], {"command": shlex.join(command_)}
+
+        if relative:
+            calibrate(on_loopback)
+        for i, run in enumerate(runs, 1):
+            one(i, run, on_loopback)
         return document
 
     removed = cluster.remove_leftovers()
@@ -383,6 +451,8 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
             commands = [shlex.join(cluster.node_command(work, job, made, i)) for i in range(setting.nodes)]
             return cluster.run_nodes(work, job, made, setting.timeout_s), {"commands": commands}
 
+        if relative:
+            calibrate(on_cluster)
         for i, run in enumerate(runs, 1):
             one(i, run, on_cluster)
     return document
@@ -399,17 +469,23 @@ def _steps(record: dict) -> str:
     return " ".join(str(s) for s in record["steps_per_rank"])
 
 
+def _names(records: list[dict]) -> list[str]:
+    """The runs' labels, with the seed when there are several."""
+    several = len({r["seed"] for r in records}) > 1
+    return [r["name"] if several else r["label"] for r in records]
+
+
 def run_table(records: list[dict]) -> str:
     head = ["run", "--sync", "pool", "parts", "p", "epochs", "best val", "test at best val", "final val",
             "to target: epoch / training s", "/ allreduce", "after epoch 1: s / ratio", "epoch 1 s", "training s", "s per epoch", "wall s",
             "steps per rank (0-7)"]
     rows = []
-    for r in records:
+    for name, r in zip(_names(records), records):
         reached = r.get("time_to_accuracy") or {}
         to = "-" if not reached else (f"{reached['epoch']} / {reached['seconds']:.1f}" if reached["seconds"] is not None else "not reached")
         after = reached.get("seconds_after_first_epoch")
         after = "-" if after is None else f"{after:.1f} / {_s(r.get('time_ratio_after_first_epoch'), 2)}"
-        rows.append([r["label"], f"`{r['sync']}`", "yes" if r["pool"] else "no", str(r["parts"]), f"{r['p']:g}", str(r["epochs"]),
+        rows.append([name, f"`{r['sync']}`", "yes" if r["pool"] else "no", str(r["parts"]), f"{r['p']:g}", str(r["epochs"]),
                      f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}", f"{r['final_val_score']:.4f}", to, _s(r.get("time_ratio"), 2),
                      after, _s(r.get("first_epoch_s")), _s(r["training_s"]), _s(r["training_s_per_epoch"], 3), _s(r["wall_s"]), _steps(r)])
     return _table(head, rows)
@@ -419,7 +495,7 @@ def wait_table(records: list[dict]) -> str:
     """Seconds per rank over the run: injected delay, parameter sync, idle at gathering points."""
     head = ["run", "injected delay s (rank 0-7)", "sync s (rank 0-7)", "idle s (rank 0-7)"]
     fmt = lambda values: " ".join(f"{v:.1f}" for v in values)  # noqa: E731
-    return _table(head, [[r["label"], fmt(r["injected_delay_s_per_rank"]), fmt(r["sync_s_per_rank"]), fmt(r["idle_s_per_rank"])] for r in records])
+    return _table(head, [[name, fmt(r["injected_delay_s_per_rank"]), fmt(r["sync_s_per_rank"]), fmt(r["idle_s_per_rank"])] for name, r in zip(_names(records), records)])
 
 
 def curve_table(records: list[dict], step_s: float = 10.0) -> str:
@@ -436,7 +512,7 @@ def curve_table(records: list[dict], step_s: float = 10.0) -> str:
         seen = [v for _, s, v in r["val_curve"] if s <= t]
         return f"{seen[-1]:.3f}" if seen else "-"
 
-    return _table(head, [[r["label"], *(at(r, t) for t in marks)] for r in records])
+    return _table(head, [[name, *(at(r, t) for t in marks)] for name, r in zip(_names(records), records)])
 
 
 def verdict_lines(target: dict) -> list[str]:
@@ -450,6 +526,14 @@ def verdict_lines(target: dict) -> list[str]:
     return out
 
 
+def delays_text(document: dict) -> str:
+    delays, scaling = document["setting"]["delays"], document.get("delay_scale")
+    if not scaling:
+        return str(delays)
+    return (f"{ {k: round(v * scaling['scale'], 3) for k, v in delays.items()} } ({delays} x {scaling['scale']:.3f}, --relative-delays: this machine "
+            f"adds {scaling['measured_non_delay_s']:.3f} s per epoch to the delays, the reference machine {scaling['reference_non_delay_s']:g} s)")
+
+
 def render(document: dict) -> str:
     setting = document["setting"]
     ok = [r for r in document["runs"] if "error" not in r]
@@ -458,7 +542,7 @@ def render(document: dict) -> str:
              if setting["cluster"] and link else f"{setting['ranks']} ranks on loopback (--no-cluster)")
     commands = "; ".join(f"`{c}`" for c in document.get("commands", []))
     out = [f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores; {where}; graph `{setting['graph']}`; "
-           f"delays per epoch {setting['delays']}; commands: {commands}", ""]
+           f"delays per epoch {delays_text(document)}; commands: {commands}", ""]
     if ok:
         out += ["Runs (training s: time.elapsed minus evaluation; time to target against allreduce p = 0 of the same seed):", "", run_table(ok), "",
                 "Per rank over the run (seconds):", "", wait_table(ok), "", "Validation score against training seconds (the last evaluation by then):", "", curve_table(ok), ""]
@@ -509,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.stragglers", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="tiny graph, 2 x 2 ranks, 10 epochs (a smoke test)")
     parser.add_argument("--no-cluster", action="store_true", help="run each job as one bnsgcn-train --procs N on loopback (no namespaces, no root)")
+    parser.add_argument("--relative-delays", action="store_true",
+                        help="scale the delays to this machine by a calibration job (see the module); default: the fixed seconds")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds (default 0)")
     parser.add_argument("--only", action="append", metavar="LABEL", help="run only this label (repeatable); other records in --out are kept")
     parser.add_argument("--work", type=Path, help="partition sets, run directories, logs (default <tmp>/bnsgcn-stragglers-<preset>, reused)")
@@ -547,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(shlex.join(cluster.in_node(made, i, cluster.node_command(work, job, made, i))))
         return 0
     command = "python -m benchmarks.stragglers " + shlex.join(argv)
-    document = cluster.on_cluster(lambda: benchmark(setting, runs, work, out, command, not args.no_cluster), namespaces=not args.no_cluster)
+    document = cluster.on_cluster(lambda: benchmark(setting, runs, work, out, command, not args.no_cluster, args.relative_delays), namespaces=not args.no_cluster)
     if isinstance(document, int):
         return document
     print(render(document))

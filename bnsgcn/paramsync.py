@@ -189,7 +189,7 @@ class Decoupled(ParameterSync):
     def _load_mean(self, keys: list[str], grads: bool = False) -> None:
         """Load the mean of the blobs at ``keys`` (present) weighted by their ranks'
         :meth:`weight`, summed in rank order in float64."""
-        blobs = sorted((*struct.unpack("<id", b[:12]), b[12:]) for b in (self.comm.store.get(k) for k in keys))
+        blobs = sorted((*struct.unpack("<id", b[:12]), b[12:]) for b in self.comm.store.multi_get(keys))  # one round trip
         self.comm.stats.received["reduction"] += sum(len(b) + 12 for *_, b in blobs)
         weights = _weights([w for _, w, _ in blobs])
         total = np.zeros(len(blobs[0][2]) // 4, dtype=np.float64)

@@ -37,6 +37,7 @@ from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
+from .kernels.backend import seed_step
 from .log import MetricsWriter, setup_logging
 from .model import GNN
 from .optim import Adam
@@ -389,7 +390,7 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
         # at p = 0 no row travels: no per-layer all-to-all (of empty rows) holds ranks together
         g = inputs.graph.epoch(keep, config.p, plan, LocalExchange() if config.p == 0 else job.stale or job.exchange)
     job.model.train()
-    torch.manual_seed(derive_seed(config.seed, job.comm.rank, epoch, 1))  # dropout
+    seed_step(derive_seed(config.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
     resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers(), *(job.stale.buffers() if job.stale else [])]  # noqa: E731 (held anyway)
     with account.timed("forward"), account.saved_tensors(resident):
         logits = job.model(inputs.features, g, inputs.x_agg)
@@ -434,7 +435,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             sync.not_busy(time.perf_counter() - building)  # a partition's graph is built once
             num_train = inputs.num_train
             # dropout drawn per partition and epoch: a step does not depend on the rank taking it
-            torch.manual_seed(derive_seed(job.config.seed, taken[1], epoch, 1))
+            seed_step(derive_seed(job.config.seed, taken[1], epoch, 1), job.comm.device)
             with account.timed("forward"):
                 logits = model(inputs.features, inputs.graph, inputs.x_agg)
                 part_loss = _loss_sum(logits.index_select(0, inputs.train_index), inputs.labels.index_select(0, inputs.train_index), job.shard.multilabel)

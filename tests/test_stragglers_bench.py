@@ -1,12 +1,14 @@
 """The stragglers benchmark (benchmarks/stragglers.py): its arithmetic on hand-made records,
-and its quick preset run for real on loopback (4 ranks, about a minute here), whose record
-must be complete and consistent."""
+its quick preset run for real on loopback (4 ranks, about a minute here), whose record must
+be complete and consistent, and the quick baseline with --relative-delays (calibrated, then
+scaled)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,19 @@ def test_plan_scales_the_delay_per_partition_and_names_every_run():
     assert all(r.p == 0 for r in runs if r.sync != "allreduce")
 
 
+def test_relative_delays_scale_by_what_the_machine_adds_to_the_sleep():
+    # epochs of 1.0, 0.9, 0.95, 0.95 (+0.5 evaluation), 1.0 s: past the first two, the median is 0.95
+    ends = [1.0, 1.9, 2.85, 4.3, 5.3]
+    epochs = [epoch(i + 1, end, evaluation=0.5 if i == 3 else 0.0) for i, end in enumerate(ends)]
+    assert st.non_delay_seconds(epochs, {0: 0.8, 2: 0.4}) == pytest.approx(0.15)
+    with pytest.raises(st.UserError, match="at least 3"):
+        st.non_delay_seconds(epochs[:2], {0: 0.8})
+    assert st.scaled_spec("0:0.8,2:0.4", 1.5) == "0:1.2,2:0.6"
+    assert st.scaled_spec(st.plan(st.FULL, (0,))[0].delay_spec, 2.0) == "0:1.6,1:1.6,2:0.8,4:1.6,5:0.8"
+    calibration = st.calibration_run(st.FULL)
+    assert (calibration.sync, calibration.p, calibration.pool, calibration.delay_spec) == ("allreduce", 0.0, False, st.delay_spec(st.FULL.delays))
+
+
 # ---------------------------------------------------------------------------- the quick preset, for real
 
 
@@ -86,7 +101,7 @@ def test_quick_record_is_complete_and_consistent(quick):
     document, stdout, out = quick
     setting = st.QUICK
     assert not out.with_suffix(".json.tmp").exists()  # written by rename
-    assert document["date"] == st.DATE and document["machine"]["cores"] and document["preset"] == "quick"
+    assert document["date"] == date.today().isoformat() and document["machine"]["cores"] and document["preset"] == "quick"
     planned = {r.name: r for r in st.plan(setting, (0,))}
     runs = {r["name"]: r for r in document["runs"]}
     assert set(runs) == set(planned)  # every planned run, nothing else
@@ -129,3 +144,23 @@ def test_quick_record_is_complete_and_consistent(quick):
     assert verdict["baseline_seconds"] == base["time_to_accuracy"]["seconds"]
     assert verdict["met"] == (verdict["best_ratio"] is not None and verdict["best_ratio"] <= 0.6)
     assert "Target:" in stdout and "| pool-allreduce |" in stdout
+
+
+def test_relative_delays_calibrate_then_scale_every_run(tmp_path):
+    out = tmp_path / "relative.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--no-cluster", "--relative-delays", "--only", st.BASELINE,
+                           "--work", str(tmp_path / "work"), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads(out.read_text())
+    scaling = document["delay_scale"]
+    calibration = st.read_records(tmp_path / "work" / "runs" / st.calibration_run(st.QUICK).name)[0]
+    assert len(calibration) == st.CALIBRATION_EPOCHS
+    assert scaling["measured_non_delay_s"] == pytest.approx(st.non_delay_seconds(calibration, st.QUICK.delays))
+    assert scaling["scale"] == pytest.approx(scaling["measured_non_delay_s"] / st.QUICK.reference_non_delay_s)
+    (run,) = document["runs"]
+    assert run["delay_spec"] == st.scaled_spec(st.delay_spec(st.QUICK.delays), scaling["scale"])
+    for rank, slept in enumerate(run["injected_delay_s_per_rank"]):  # every epoch slept the scaled delay
+        wanted = st.QUICK.delays.get(rank, 0.0) * scaling["scale"] * run["epochs_run"]
+        assert wanted - 1e-3 <= slept <= 1.5 * wanted + 0.05, (rank, slept, wanted)
+    assert "--relative-delays: this machine adds" in done.stdout  # the tables say the delays were scaled
+

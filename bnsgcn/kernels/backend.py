@@ -31,6 +31,19 @@ def kernel_backend(device: torch.device) -> ModuleType:
     return numba_backend
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed the generators a training step draws from (dropout masks, stochastic rounding):
+    the CPU one, which :func:`draw_seed` reads, and ``device``'s. Same draws as
+    ``torch.manual_seed``, which also seeds every other device type: on a build with CUDA
+    but no GPU in use that queues a lazy call and formats a stack trace, about 5% of a small
+    work-pool step."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
 def draw_seed() -> int:
     """A seed for a kernel's own random bits, drawn from torch's generator (so runs repeat
     under ``torch.manual_seed``)."""
