@@ -55,7 +55,8 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
@@ -163,26 +164,22 @@ def delay_spec(delays: dict[int, float], scale: float = 1.0) -> str:
     return ",".join(f"{rank}:{seconds * scale:g}" for rank, seconds in sorted(delays.items()))
 
 
-def scaled_spec(spec: str, scale: float) -> str:
-    """An ``--inject-delay`` spec (fixed seconds per rank) with every delay times ``scale``."""
-    pairs = (item.split(":") for item in spec.split(","))
-    return ",".join(f"{rank}:{float(seconds) * scale:.4g}" for rank, seconds in pairs)
-
-
 def label(sync: str, pool: bool, p: float = 0.0) -> str:
     """``allreduce``, ``allreduce-p0.1``, ``gossip1``, ``pool-grouped5-3``, ..."""
     text = sync.replace(":", "", 1).replace(":", "-") + (f"-p{p:g}" if p else "")
     return ("pool-" if pool else "") + text
 
 
-def plan(setting: Setting, seeds: tuple[int, ...]) -> list[Planned]:
-    """Every run, baseline first (its best validation score sets the others' target)."""
-    per_step = delay_spec(setting.delays, setting.ranks / setting.pool_parts)
+def plan(setting: Setting, seeds: tuple[int, ...], scale: float = 1.0) -> list[Planned]:
+    """Every run, baseline first (its best validation score sets the others' target), with
+    the setting's delays times ``scale`` (``--relative-delays``)."""
+    per_epoch = delay_spec(setting.delays, scale)
+    per_step = delay_spec(setting.delays, scale * setting.ranks / setting.pool_parts)
     runs = []
     for seed in seeds:
-        runs += [Planned(label("allreduce", False, p), "allreduce", False, p, setting.epochs, seed, delay_spec(setting.delays), setting.parts, setting.eval_every)
+        runs += [Planned(label("allreduce", False, p), "allreduce", False, p, setting.epochs, seed, per_epoch, setting.parts, setting.eval_every)
                  for p in setting.baseline_p]
-        runs += [Planned(label(s, False), s, False, 0.0, setting.epochs, seed, delay_spec(setting.delays), setting.parts, setting.eval_every) for s in setting.syncs]
+        runs += [Planned(label(s, False), s, False, 0.0, setting.epochs, seed, per_epoch, setting.parts, setting.eval_every) for s in setting.syncs]
         # allreduce with the pool steps in lockstep rounds: its epochs take as long as without
         for s in setting.pool_syncs:
             epochs = setting.epochs if s == "allreduce" else setting.pool_epochs.get(s, setting.pool_epochs["*"])
@@ -362,9 +359,10 @@ def load_document(out: Path) -> dict:
         return {"runs": []}
 
 
-def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, command: str, use_cluster: bool, relative: bool = False) -> dict:
+def benchmark(setting: Setting, make_runs: Callable[[float], list[Planned]], work: Path, out: Path, command: str, use_cluster: bool,
+              relative: bool = False) -> dict:
     """Partition, (build the cluster and measure its link,) (calibrate the delays,) run
-    everything; the document."""
+    ``make_runs(scale)`` (the delays times ``scale``: 1 unless ``relative``); the document."""
     earlier = load_document(out)
     document = earlier | {
         "benchmark": "stragglers", "preset": setting.name, "date": date.today().isoformat(), "machine": machine(),
@@ -376,16 +374,15 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
     document["commands"] = document.get("commands", []) + [command]  # every invocation whose records are here
     records = {r["name"]: r for r in document["runs"]}
     scale = 1.0
-    for parts in dict.fromkeys(r.parts for r in runs):
+    for parts in dict.fromkeys(r.parts for r in make_runs(scale)):
         command_ = partition_command(work, setting, parts)
         print(f"partition: {shlex.join(command_)}", file=sys.stderr, flush=True)
         error = execute(command_, os.cpu_count() or 1, int(setting.timeout_s))[1]
         if error is not None:
             raise UserError(f"partitioning failed: {error.splitlines()[-1]}")
 
-    def calibrate(execute_run) -> None:
-        """--relative-delays: measure this machine, scale every run's delays."""
-        nonlocal runs, scale
+    def calibrate(execute_run) -> float:
+        """--relative-delays: measure this machine; the delays' scale."""
         run = calibration_run(setting)
         print(f"calibration: {run.epochs} epochs of the baseline with the fixed delays", file=sys.stderr, flush=True)
         shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
@@ -395,15 +392,15 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
         measured = non_delay_seconds(read_records(work / "runs" / run.name)[0], setting.delays)
         if measured <= 0:
             raise UserError(f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); run it again on a quieter machine")
-        scale = measured / setting.reference_non_delay_s
-        document["delay_scale"] = {"reference_non_delay_s": setting.reference_non_delay_s, "measured_non_delay_s": measured, "scale": scale,
+        measured_scale = measured / setting.reference_non_delay_s
+        document["delay_scale"] = {"reference_non_delay_s": setting.reference_non_delay_s, "measured_non_delay_s": measured, "scale": measured_scale,
                                    "calibration_epochs": run.epochs}
-        print(f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {scale:.3f}",
+        print(f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {measured_scale:.3f}",
               file=sys.stderr, flush=True)
-        runs = [replace(r, delay_spec=scaled_spec(r.delay_spec, scale)) for r in runs]
+        return measured_scale
 
-    def one(i: int, run: Planned, execute_run) -> None:
-        print(f"[{i}/{len(runs)}] {run.name}", file=sys.stderr, flush=True)
+    def one(i: int, total: int, run: Planned, execute_run) -> None:
+        print(f"[{i}/{total}] {run.name}", file=sys.stderr, flush=True)
         record = asdict(run) | {"name": run.name, "date": date.today().isoformat(), "ranks": setting.ranks, "delays_per_epoch": {str(k): v * scale for k, v in setting.delays.items()}}
         shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
         start = time.perf_counter()
@@ -426,15 +423,20 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
         attach_targets(document)
         write_json(out, document)
 
+    def run_all(execute_run) -> None:
+        nonlocal scale
+        if relative:
+            scale = calibrate(execute_run)
+        runs = make_runs(scale)
+        for i, run in enumerate(runs, 1):
+            one(i, len(runs), run, execute_run)
+
     if not use_cluster:
         def on_loopback(run: Planned) -> tuple[str | None, dict]:
             command_ = loopback_command(work, setting, run)
             return execute(command_, threads_per_rank(setting), int(setting.timeout_s))[1], {"command": shlex.join(command_)}
 
-        if relative:
-            calibrate(on_loopback)
-        for i, run in enumerate(runs, 1):
-            one(i, run, on_loopback)
+        run_all(on_loopback)
         return document
 
     removed = cluster.remove_leftovers()
@@ -451,10 +453,7 @@ def benchmark(setting: Setting, runs: list[Planned], work: Path, out: Path, comm
             commands = [shlex.join(cluster.node_command(work, job, made, i)) for i in range(setting.nodes)]
             return cluster.run_nodes(work, job, made, setting.timeout_s), {"commands": commands}
 
-        if relative:
-            calibrate(on_cluster)
-        for i, run in enumerate(runs, 1):
-            one(i, run, on_cluster)
+        run_all(on_cluster)
     return document
 
 
@@ -610,13 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return cluster.show_saved(args.render, render, figure)
     setting = QUICK if args.quick else FULL
-    runs = plan(setting, tuple(args.seeds))
-    if args.only:
-        unknown = set(args.only) - {r.label for r in runs}
-        if unknown:
-            print(f"error: --only {sorted(unknown)[0]} is not a run of the plan; labels: {', '.join(dict.fromkeys(r.label for r in runs))}", file=sys.stderr)
-            return 2
-        runs = [r for r in runs if r.label in args.only]
+    labels = [r.label for r in plan(setting, tuple(args.seeds))]
+    unknown = set(args.only or ()) - set(labels)
+    if unknown:
+        print(f"error: --only {sorted(unknown)[0]} is not a run of the plan; labels: {', '.join(dict.fromkeys(labels))}", file=sys.stderr)
+        return 2
+    chosen = lambda scale: [r for r in plan(setting, tuple(args.seeds), scale) if not args.only or r.label in args.only]  # noqa: E731
+    runs = chosen(1.0)
     work = args.work or Path(tempfile.gettempdir()) / f"bnsgcn-stragglers-{setting.name}"
     out = args.out or (Path(tempfile.gettempdir()) / "bnsgcn-stragglers-quick.json" if args.quick else REPO / "benchmarks" / "results" / "stragglers.json")
     if args.dry_run:
@@ -633,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(shlex.join(cluster.in_node(made, i, cluster.node_command(work, job, made, i))))
         return 0
     command = "python -m benchmarks.stragglers " + shlex.join(argv)
-    document = cluster.on_cluster(lambda: benchmark(setting, runs, work, out, command, not args.no_cluster, args.relative_delays), namespaces=not args.no_cluster)
+    document = cluster.on_cluster(lambda: benchmark(setting, chosen, work, out, command, not args.no_cluster, args.relative_delays), namespaces=not args.no_cluster)
     if isinstance(document, int):
         return document
     print(render(document))

@@ -78,8 +78,9 @@ def test_relative_delays_scale_by_what_the_machine_adds_to_the_sleep():
     assert st.non_delay_seconds(epochs, {0: 0.8, 2: 0.4}) == pytest.approx(0.15)
     with pytest.raises(st.UserError, match="at least 3"):
         st.non_delay_seconds(epochs[:2], {0: 0.8})
-    assert st.scaled_spec("0:0.8,2:0.4", 1.5) == "0:1.2,2:0.6"
-    assert st.scaled_spec(st.plan(st.FULL, (0,))[0].delay_spec, 2.0) == "0:1.6,1:1.6,2:0.8,4:1.6,5:0.8"
+    scaled = st.plan(st.FULL, (0,), 2.0)
+    assert scaled[0].delay_spec == "0:1.6,1:1.6,2:0.8,4:1.6,5:0.8"
+    assert next(r for r in scaled if r.pool).delay_spec == "0:0.4,1:0.4,2:0.2,4:0.4,5:0.2"  # per partition: x 8 / 32 too
     calibration = st.calibration_run(st.FULL)
     assert (calibration.sync, calibration.p, calibration.pool, calibration.delay_spec) == ("allreduce", 0.0, False, st.delay_spec(st.FULL.delays))
 
@@ -158,7 +159,7 @@ def test_relative_delays_calibrate_then_scale_every_run(tmp_path):
     assert scaling["measured_non_delay_s"] == pytest.approx(st.non_delay_seconds(calibration, st.QUICK.delays))
     assert scaling["scale"] == pytest.approx(scaling["measured_non_delay_s"] / st.QUICK.reference_non_delay_s)
     (run,) = document["runs"]
-    assert run["delay_spec"] == st.scaled_spec(st.delay_spec(st.QUICK.delays), scaling["scale"])
+    assert run["delay_spec"] == st.delay_spec(st.QUICK.delays, scaling["scale"])
     for rank, slept in enumerate(run["injected_delay_s_per_rank"]):  # every epoch slept the scaled delay
         wanted = st.QUICK.delays.get(rank, 0.0) * scaling["scale"] * run["epochs_run"]
         assert wanted - 1e-3 <= slept <= 1.5 * wanted + 0.05, (rank, slept, wanted)
