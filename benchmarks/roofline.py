@@ -78,7 +78,10 @@ One invocation, on the machine it runs on:
    which mixes a quiet and a disturbed epoch on a shared machine). Each run records how
    much CPU time other processes used meanwhile (``/proc/stat`` less the run's own), as
    a share of the machine's cores: above a few percent, the run was disturbed; so does
-   the roofline's measurement.
+   the roofline's measurement. Each run also gives every rank's peak RSS (the report's,
+   evaluation after the last epoch included), against the issue's memory target for that
+   p on the reference graph (<= 1,075 MiB at p = 1, <= 900 MiB at p = 0.1; none for
+   ``--quick`` or another p), so that time and memory are stated from one run.
 
 Writes ``--out`` (JSON, atomically) and prints the tables::
 
@@ -127,6 +130,8 @@ INDEX_BYTES = 4  # int32 column ids
 MASK_BYTES = 1 / 8  # one bit per dropout mask element (as the engine's fused step keeps it)
 LAYERS, HIDDEN = 3, 128  # GraphSAGE 3 x 128, the issue's model
 TARGET_RATIO = 1.25  # issue 14: epoch <= 1.25 x the floor
+PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # issue 14: peak RSS per rank on the reference graph, by p
+MIB = 2**20
 PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
 GEMM_KINDS = ("forward", "grad_input", "grad_weight")
 QUICK_SPEC = "synthetic:nodes=3000,degree=10,classes=16,features=128"
@@ -430,6 +435,9 @@ def render(document: dict) -> str:
         lines += ["", f"target epoch <= {TARGET_RATIO} x floor: {verdict} ({format_ratio(run['epoch']['ratio'])}); "
                   f"epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; "
                   f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
+                  f"peak RSS per rank: {' / '.join(f'{m:,.0f}' for m in run['peak_rss_mib'])} MiB"
+                  + ("" if run["peak_target_mib"] is None else
+                     f"; target <= {run['peak_target_mib']:,} MiB: {'met' if run['peak_target_met'] else 'not met'}"), "",
                   "| floor part | work | floor (s) |", "|---|---|---|"]
         parts = next(r for r in run["ranks"] if r["rank"] == run["slowest_rank"])["floor_parts"]
         lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
@@ -489,7 +497,11 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         run_dir = work / f"run-p{p:g}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation
         _, machine_use = with_machine_use(lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN)
-        runs.append({"p": p, "epoch_wall_s": read_train_run(run_dir)["epoch_time_s"], "machine_use": machine_use,
+        figures = read_train_run(run_dir)
+        peak_mib = [b / MIB for b in figures["peak_rss_bytes"]]
+        peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
+        runs.append({"p": p, "epoch_wall_s": figures["epoch_time_s"], "machine_use": machine_use, "peak_rss_mib": peak_mib,
+                     "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
                      **compare(graphs, read_run(run_dir), roofline)})
     return {
         "date": date.today().isoformat(),

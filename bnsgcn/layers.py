@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .graph import EpochGraph
 from .kernels import gat_aggregate, spmm, spmm_add_
+from .kernels.dense import linear_sum
 
 
 def narrow_aggregation(lin: nn.Linear) -> bool:
@@ -67,7 +67,7 @@ class SAGEConv(nn.Module):
 
         One GEMM with both weights stacked, [n, d_in] -> [n, 2 d_out]: backward's input
         gradient is then one GEMM into one output, not two summed (each [n, d_in])."""
-        both = F.linear(x, torch.cat([self.lin_self.weight, self.lin_neigh.weight]))
+        both = linear_sum(None, (x, torch.cat([self.lin_self.weight, self.lin_neigh.weight])))
         own, neighbour = both.split(self.lin_self.out_features, dim=1)
         return own + self.lin_self.bias, neighbour.contiguous()
 
@@ -78,9 +78,8 @@ class SAGEConv(nn.Module):
             own, neighbour = self.dense_products(x)
             return aggregate(g, neighbour, self.slot, into=own)
         neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
-        # addmm_ adds the neighbour product inside the GEMM, into its output: no pass of its own
-        # (the out-of-place addmm copies its input first, into fresh memory: 1.5x the time here)
-        return self.lin_self(x).addmm_(neighbours, self.lin_neigh.weight.t())
+        # the neighbour product is added inside the GEMM, into the self term's output: no pass of its own
+        return linear_sum(self.lin_self.bias, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight))
 
 
 class GCNConv(nn.Module):
@@ -104,12 +103,12 @@ class GCNConv(nn.Module):
     def dense_products(self, x: Tensor) -> tuple[Tensor]:
         """``(W x,)`` [n, d_out]: what a multiply-first forward computes before aggregating;
         a recomputation for backward runs only this (see :func:`narrow_aggregation`)."""
-        return (self.lin(x),)
+        return (linear_sum(None, (x, self.lin.weight)),)
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
         if x_agg is None and self.cheap_to_recompute:
             return aggregate(g, *self.dense_products(x), self.slot) + self.bias
-        return F.linear(x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight, self.bias)
+        return linear_sum(self.bias, (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight))
 
 
 class GATConv(nn.Module):

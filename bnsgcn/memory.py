@@ -38,10 +38,10 @@ def return_freed_memory() -> bool:
     from that size on), once per process. Returns whether the allocator took it (False on
     a C library without ``mallopt``, e.g. musl or macOS: nothing changes there).
 
-    The price: blocks of 1 MiB to 32 MiB allocated every epoch (dropout masks, narrow
-    activations) are mapped and faulted in afresh each time instead of reused from the
-    heap, about 0.15 s of system time per epoch on the reference graph; a threshold of
-    32 MiB after setup measured 90-120 MiB more peak per rank there (the heap fragments).
+    The price, mapping, faulting in and zeroing every block afresh, is left to training's
+    buffer pool (:mod:`bnsgcn.kernels.buffers`), which reuses the step's large outputs; a
+    threshold of 32 MiB after setup measured 90-120 MiB more peak per rank on the
+    reference graph (the heap fragments).
     """
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
@@ -74,6 +74,7 @@ HOLDERS = {
     "adjacency_bytes": "adjacency",
     "exchange_buffer_bytes": "exchange buffers",
     "evaluation_buffer_bytes": "evaluation buffers",
+    "activation_buffer_bytes": "activation buffers",
     "parameter_bytes": "parameters and gradients",
     "optimizer_state_bytes": "optimizer state",
 }
@@ -85,19 +86,23 @@ def holders(
     adjacency: Iterable[torch.Tensor | None],
     exchange_buffer_bytes: int,
     evaluation_buffer_bytes: int,
+    activation_buffer_bytes: int,
     parameters: Iterable[torch.Tensor | None],
     optimizer_state: Iterable[torch.Tensor | None],
 ) -> dict[str, int]:
     """Bytes per holder of :data:`HOLDERS`, each storage counted once per holder (a
     precomputed aggregation shared by the training and the evaluation graph is one).
-    Exchange buffers (training's; evaluation's, :mod:`bnsgcn.evaluate`) come as bytes at
-    their largest: they are freed before and after each evaluation."""
+    Exchange buffers (training's; evaluation's, :mod:`bnsgcn.evaluate`) and the blocks
+    training's activations and gradients are reused from (:mod:`bnsgcn.kernels.buffers`;
+    what backward keeps lives in them too) come as bytes at their largest: they are freed
+    before and after each evaluation."""
     return {
         "partition_bytes": storage_bytes(partition),
         "precomputed_bytes": storage_bytes(precomputed),
         "adjacency_bytes": storage_bytes(adjacency),
         "exchange_buffer_bytes": exchange_buffer_bytes,
         "evaluation_buffer_bytes": evaluation_buffer_bytes,
+        "activation_buffer_bytes": activation_buffer_bytes,
         "parameter_bytes": storage_bytes(parameters),
         "optimizer_state_bytes": storage_bytes(optimizer_state),
     }

@@ -38,6 +38,7 @@ from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
 from .kernels.backend import seed_step
+from .kernels.buffers import BufferPool, pooled
 from .log import MetricsWriter, setup_logging
 from .model import GNN
 from .optim import Adam
@@ -204,6 +205,7 @@ class Job:
     pool: WorkPool | None  # --work-pool: the partitions training takes steps on (bnsgcn.workpool)
     signature: dict  # what a checkpoint must agree on
     baseline_rss: int  # the process before any graph data
+    buffers: BufferPool | None  # a training step's kernel outputs, reused (CPU: bnsgcn.kernels.buffers)
 
 
 @dataclass
@@ -240,16 +242,19 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         # evaluations, checkpoints and the end, where parameters are averaged first
         sync_point = job.sync.is_sync_point(epoch + 1, config.eval_every, config.checkpoint_every, config.epochs)
         with account.timed("epoch"):  # device time on CUDA (bnsgcn.timing)
-            if job.pool is not None:
-                _pool_epoch(job, epoch, account)
-            else:
-                _train_epoch(job, samples, epoch, account)
+            with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
+                if job.pool is not None:
+                    _pool_epoch(job, epoch, account)
+                else:
+                    _train_epoch(job, samples, epoch, account)
             if sync_point and job.sync.decoupled:
                 with account.timed("sync"):
                     job.sync.average_all()
             if evaluates(config.eval_every, config.epochs, epoch + 1):
                 with account.timed("evaluation"):
                     job.exchange.release()  # training's buffers are idle until the next epoch
+                    if job.buffers is not None:
+                        job.buffers.clear()
                     scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
                 best.update(epoch + 1, scores, job.model)
         account.values["elapsed"] = time.perf_counter() - started
@@ -324,6 +329,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         pool=pool,
         signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
         baseline_rss=baseline_rss,
+        buffers=BufferPool() if comm.device.type == "cpu" else None,
     )
 
 
@@ -511,6 +517,7 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
         adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []) + (job.pool.adjacency_tensors() if job.pool else []),
         exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
         evaluation_buffer_bytes=job.evaluation.largest_bytes(),
+        activation_buffer_bytes=job.buffers.largest_bytes if job.buffers is not None else 0,
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
         optimizer_state=memory.optimizer_state_tensors(job.optimizer),
     )

@@ -92,6 +92,9 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
         assert epoch["floor_s"] == pytest.approx(sum(r["floor_s"] for r in run["phases"]))
         assert run["target_met"] == (epoch["ratio"] <= rl.TARGET_RATIO)
         assert run["epoch_wall_s"] > 0
+        assert len(run["peak_rss_mib"]) == 2 and all(m > 100 for m in run["peak_rss_mib"])  # torch alone is over 100 MiB
+        assert run["peak_target_mib"] is None and run["peak_target_met"] is None  # the targets are the reference graph's
+        assert f"peak RSS per rank: {run['peak_rss_mib'][0]:,.0f} / " in done.stdout
         use = run["machine_use"]
         assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
 

@@ -30,6 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from torch import Tensor
 
+from . import buffers
 from .adjacency import Adjacency
 from .backend import draw_seed
 
@@ -380,7 +381,7 @@ def _spmm_csr(
     (C-contiguous, [n_rows, d]) when given."""
     accumulate = out is not None
     if out is None:
-        out = x.new_empty(n_rows, x.shape[1])
+        out = buffers.empty((n_rows, x.shape[1]), x.dtype)
     _spmm_kernel(
         _array(indptr), _array(indices), _or_empty(values, x.dtype), values is not None, _or_empty(row_scale, x.dtype), row_scale is not None,
         _or_empty(col_scale, x.dtype), col_scale is not None, _array(x), accumulate, out.numpy(), work=indices.numel() * x.shape[1],
@@ -585,8 +586,8 @@ def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, wi
     is neither written nor returned (None)."""
     if seed is None:
         seed = draw_seed()
-    out = torch.empty_like(x)
-    keep = torch.empty(x.shape if with_mask else (0,), dtype=torch.bool)
+    out = buffers.empty(x.shape, x.dtype)
+    keep = buffers.empty(x.shape if with_mask else (0,), torch.bool)
     _dropout_kernel(
         _array(x).reshape(-1), np.uint64(seed), np.uint64(threshold), float(scale), out.numpy().reshape(-1), keep.numpy().reshape(-1), with_mask, work=x.numel()
     )  # fmt: skip
@@ -595,7 +596,7 @@ def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, wi
 
 def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
     """``dy * keep * scale`` in one pass."""
-    dx = torch.empty_like(dy)
+    dx = buffers.empty(dy.shape, dy.dtype)
     _masked_scale_kernel(_array(dy).reshape(-1), _array(keep).reshape(-1), scale, dx.numpy().reshape(-1), work=dy.numel())
     return dx
 
@@ -712,7 +713,7 @@ def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
     a byte mask."""
     seed = int(torch.randint(0, 2**62, (1,))) if threshold else 0
     n, d = x.shape
-    out, keep = torch.empty_like(x), torch.zeros((n, (d + 7) // 8), dtype=torch.uint8)
+    out, keep = buffers.empty(x.shape, x.dtype), buffers.empty((n, (d + 7) // 8), torch.uint8)  # every byte written
     mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)
     _norm_relu_dropout_kernel(
         _array(x), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold), float(scale),
@@ -723,7 +724,7 @@ def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
 
 def layer_norm_relu_dropout_backward(dout: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)`` of :func:`layer_norm_relu_dropout`."""
-    dx = torch.empty_like(x)
+    dx = buffers.empty(x.shape, x.dtype)
     dweight, dbias = torch.empty(x.shape[1], dtype=torch.float64), torch.empty(x.shape[1], dtype=torch.float64)
     _norm_relu_dropout_grad_kernel(
         _array(dout), _array(x), _array(weight.to(x.dtype)), _array(mean), _array(rstd), _array(keep), float(scale),

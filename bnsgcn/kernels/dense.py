@@ -1,0 +1,75 @@
+"""Dense products whose outputs and input gradients come from the buffer pool.
+
+``torch.nn.functional.linear`` and its backward write into fresh tensors: on CPU each
+[n, d] output of 1 MiB or more is a new memory mapping, faulted in and zeroed by the
+kernel before the GEMM writes it (:mod:`bnsgcn.kernels.buffers`). Here the same GEMMs
+write into :func:`bnsgcn.kernels.buffers.empty`.
+
+A sum of products is one node per product, as ``linear(x, W_s, b).addmm_(n, W_n^T)``
+would record it: each node keeps only its own input, so backward frees ``n`` before it
+computes the gradient of ``x`` (one node for both would hold both inputs and both
+gradients at once: two activations more at backward's peak).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import buffers
+
+
+def _input_gradient(dy: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """``dY W`` [n, d_in], into a pooled buffer."""
+    return torch.mm(dy, weight, out=buffers.empty(x.shape, dy.dtype, dy.device))
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = buffers.empty((x.shape[0], weight.shape[0]), x.dtype, x.device)
+        if bias is None:
+            torch.mm(x, weight.t(), out=out)
+        else:
+            torch.addmm(bias, x, weight.t(), out=out)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = _input_gradient(dy, x, weight) if ctx.needs_input_grad[0] else None
+        dweight = dy.t().mm(x) if ctx.needs_input_grad[1] else None
+        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias
+
+
+class _AddLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.mark_dirty(base)
+        ctx.save_for_backward(x, weight)
+        return base.addmm_(x, weight.t())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = _input_gradient(dy, x, weight) if ctx.needs_input_grad[1] else None
+        dweight = dy.t().mm(x) if ctx.needs_input_grad[2] else None
+        return dy, dx, dweight
+
+
+def linear_sum(bias: Tensor | None, *terms: tuple[Tensor, Tensor]) -> Tensor:
+    r""":math:`Y = \sum_k X_k W_k^\top + b`: each term ``(X_k [n, d_k], W_k [d_out, d_k])``,
+    ``bias`` [d_out] or None; returns [n, d_out]. The later products are added into the
+    first's output by the GEMMs themselves. Differentiable w.r.t. every input, weight and
+    the bias."""
+    (x, weight), *rest = terms
+    out = _Linear.apply(x, weight, bias)
+    for x, weight in rest:
+        out = _AddLinear.apply(out, x, weight)
+    return out
