@@ -10,7 +10,7 @@ pages (docs/benchmarks.md, "Buffers reused").
 A :class:`BufferPool` keeps a freed block for the next request of its size instead. It
 holds a block only until then: a request that finds several free blocks of a size takes
 one and returns the others to the system, so the pool holds about what the step holds
-alive at once: the peak per rank measured 1-2% above the C library's alone there.
+alive at once: the peak per rank measured 0-3% above the C library's alone there.
 
 The kernels that write every element of a new output (sparse products, dropout, the fused
 layer norm), the dense products of :mod:`bnsgcn.kernels.dense` and the exchange's gradient
