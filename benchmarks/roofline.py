@@ -119,7 +119,7 @@ if str(REPO) not in sys.path:  # runnable as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 from benchmarks.kernels import FLOAT_BYTES, best_times, copy_bandwidth  # noqa: E402
-from benchmarks.suite import execute, machine, read_train_run, write_json  # noqa: E402
+from benchmarks.suite import MiB, execute, machine, read_train_run, write_json  # noqa: E402
 from bnsgcn import report  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
 from bnsgcn.format import read_manifest  # noqa: E402
@@ -131,7 +131,6 @@ MASK_BYTES = 1 / 8  # one bit per dropout mask element (as the engine's fused st
 LAYERS, HIDDEN = 3, 128  # GraphSAGE 3 x 128, the issue's model
 TARGET_RATIO = 1.25  # issue 14: epoch <= 1.25 x the floor
 PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # issue 14: peak RSS per rank on the reference graph, by p
-MIB = 2**20
 PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
 GEMM_KINDS = ("forward", "grad_input", "grad_weight")
 QUICK_SPEC = "synthetic:nodes=3000,degree=10,classes=16,features=128"
@@ -498,7 +497,7 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation
         _, machine_use = with_machine_use(lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN)
         figures = read_train_run(run_dir)
-        peak_mib = [b / MIB for b in figures["peak_rss_bytes"]]
+        peak_mib = [b / MiB for b in figures["peak_rss_bytes"]]
         peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
         runs.append({"p": p, "epoch_wall_s": figures["epoch_time_s"], "machine_use": machine_use, "peak_rss_mib": peak_mib,
                      "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,

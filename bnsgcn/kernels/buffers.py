@@ -77,7 +77,7 @@ class BufferPool:
         # rest go back to the system (they would only raise the peak until next used)
         free = [(size, block) for size, blocks in self._blocks.items() if nbytes <= size <= 2 * nbytes for block in blocks if block.is_free()]
         if free:
-            size, block = min(free, key=lambda item: item[0])
+            block = min(free, key=lambda item: item[0])[1]
             for other_size, other in free:
                 if other is not block:
                     self._blocks[other_size].remove(other)
