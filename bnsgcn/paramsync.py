@@ -327,10 +327,14 @@ FREE = "free"
 def find_partner(store: dist.Store, me: int, world: int, prefix: str, rng: random.Random, timeout: float) -> int | None:
     """Pair rank ``me`` with a random available rank for one gossip round (keys under
     ``prefix``), or None when every other rank is paired already; every rank of the job
-    calls it once per round. Locks ``lock/r`` hold ``free`` or a pair ``"lo:hi"``; a pair is
-    made when both its locks hold it, and is final. A rank locks the lower rank first
-    (``compare_set``, which never blocks) and releases it when the higher is taken, so no
-    cycle of waits can form. :class:`TimeoutError` after ``timeout`` seconds (a rank
+    calls it once per round. Locks ``lock/r`` hold ``free`` or an attempt ``"lo:hi:taker"``;
+    a pair is made when both its locks hold the same attempt, and is final. The taker locks
+    the lower rank first (``compare_set``, which never blocks) and releases it when the
+    higher is taken, so no cycle of waits can form. The taker is in the value because two
+    ranks may try the same pair at once: ``compare_set`` answers with the value it finds,
+    and with ``"lo:hi"`` alone the second would take the first one's lock for its own and
+    release it, after which the first could still take the higher lock and leave with a
+    partner that waits forever. :class:`TimeoutError` after ``timeout`` seconds (a rank
     that never arrives)."""
     lock = lambda r: f"{prefix}lock/{r}"  # noqa: E731
     store.set(lock(me), FREE)  # before announcing: nobody locks an absent rank
@@ -340,7 +344,7 @@ def find_partner(store: dist.Store, me: int, world: int, prefix: str, rng: rando
     while True:
         mine = store.get(lock(me)).decode()
         if mine != FREE:  # someone locked this rank: made, or being made
-            lo, hi = (int(x) for x in mine.split(":"))
+            lo, hi = _members(mine)
             other = hi if lo == me else lo
             if store.get(lock(other)).decode() == mine:
                 return other
@@ -351,7 +355,7 @@ def find_partner(store: dist.Store, me: int, world: int, prefix: str, rng: rando
             if free:
                 other = rng.choice(free)
                 lo, hi = sorted((me, other))
-                tag = f"{lo}:{hi}"
+                tag = f"{lo}:{hi}:{me}"
                 if store.compare_set(lock(lo), FREE, tag).decode() == tag:  # the lower first: a fixed order
                     if store.compare_set(lock(hi), FREE, tag).decode() == tag:
                         return other
@@ -368,8 +372,14 @@ def _paired(store, lock, state: str, me: int) -> bool:
     a pair is final. (A pair with ``me`` may have been made since ``me`` read its own lock.)"""
     if state == FREE:
         return False
-    lo, hi = (int(x) for x in state.split(":"))
+    lo, hi = _members(state)
     return me not in (lo, hi) and store.get(lock(lo)).decode() == state and store.get(lock(hi)).decode() == state
+
+
+def _members(state: str) -> tuple[int, int]:
+    """The two ranks of a lock's attempt ``"lo:hi:taker"``."""
+    lo, hi, _ = state.split(":")
+    return int(lo), int(hi)
 
 
 def _scale(global_train: int, local_train: int) -> float:

@@ -10,7 +10,8 @@
   arrival count: both average the two ranks every step); a ``partial`` round's average does
   not depend on who arrives first (different delays, identical parameters);
 * gossip pairing over many rounds with random delays: never deadlocks (bounded time), every
-  pair is mutual, exactly ``world mod 2`` rank is left alone per round;
+  pair is mutual, exactly ``world mod 2`` rank is left alone per round; and the interleaving
+  in which two ranks take the same pair at once, replayed operation by operation;
 * steps per rank, waits in sync and the final single model in the records and report;
 * Cora (public split, 4 ranks, p = 0, 3 seeds): every mode's mean test accuracy (of the
   model the run ends with) within 1.5 points of synchronous all-reduce training;
@@ -23,6 +24,7 @@ import json
 import multiprocessing as mp
 import random
 import re
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from bnsgcn.config import TrainConfig, validate
 from bnsgcn.errors import UserError
+from bnsgcn import paramsync
 from bnsgcn.paramsync import find_partner
 from bnsgcn.straggler import InjectedDelay, check_world, parse_delays, parse_sync
 
@@ -224,6 +227,105 @@ def test_gossip_pairing_never_deadlocks(world):
         assert all(j is None or partners[j] == r for r, j in enumerate(partners)), (step, partners)
         assert partners.count(None) == world % 2, (step, partners)
 
+
+class _Scripted:
+    """Runs the store operations of several threads one at a time, in the order ``turns``
+    names (then lowest thread first): an interleaving that real ranks meet once in
+    thousands of rounds, every time. A thread that makes more than ``max_ops`` operations
+    in one call is stuck (it waits for a pair that can never be made) and fails."""
+
+    def __init__(self, store: dist.Store, threads: int, turns: list[int], max_ops: int = 300):
+        self.store, self.turns, self.max_ops = store, iter(turns), max_ops
+        self.cond = threading.Condition()
+        self.live, self.waiting, self.turn = set(range(threads)), set(), None
+        self.ops = [0] * threads
+
+    def view(self, me: int):
+        """A store for thread ``me``: each operation waits for that thread's turn."""
+        sched = self
+
+        class View:
+            def __getattr__(self, name):
+                def op(*args):
+                    sched.wait_turn(me)
+                    try:
+                        return getattr(sched.store, name)(*args)
+                    finally:
+                        with sched.cond:
+                            sched.turn = None
+                            sched.cond.notify_all()
+
+                return op
+
+        return View()
+
+    def wait_turn(self, me: int) -> None:
+        self.ops[me] += 1
+        if self.ops[me] > self.max_ops:
+            raise AssertionError(f"rank {me}: no partner after {self.max_ops} store operations")
+        with self.cond:
+            self.waiting.add(me)
+            self.cond.notify_all()
+            while self.turn != me:
+                self.cond.wait()
+
+    def leave(self, me: int) -> None:
+        with self.cond:
+            self.live.discard(me)
+            self.cond.notify_all()
+
+    def run(self) -> None:
+        """Grant turns until every thread has left."""
+        with self.cond:
+            while self.live:
+                self.cond.wait_for(lambda: self.turn is None and self.waiting >= self.live)
+                if self.live:
+                    wanted = next(self.turns, None)
+                    self.turn = wanted if wanted in self.waiting else min(self.waiting)
+                    self.waiting.discard(self.turn)
+                    self.cond.notify_all()
+
+
+class _Picks:
+    """A rank's draws: it chooses ``partner`` whenever that one is free; no jitter."""
+
+    def __init__(self, partner: int):
+        self.partner = partner
+
+    def choice(self, free: list[int]) -> int:
+        return self.partner if self.partner in free else free[0]
+
+    def random(self) -> float:
+        return 0.0
+
+
+def test_gossip_pairing_survives_two_ranks_taking_the_same_pair(monkeypatch):
+    """Ranks 0 and 1 try pair 0:1 at once while 2 tries 1:2 and 3 tries 2:3; 0 takes its
+    lock first, 1 finds it held by the same pair, fails on its own lock (held by 2),
+    releases 0's lock and goes on waiting; 2 fails and releases 1's lock, then 0 takes it.
+    The first version read the pair alone from a lock, so 1 took 0's lock for its own:
+    0 left paired with 1 while 1 waited forever for 0's lock to name the pair."""
+    monkeypatch.setattr(paramsync, "POLL_S", 0.0)  # the script, not sleeps, orders the ranks
+    world, picks = 4, {0: 1, 1: 0, 2: 1, 3: 2}
+    arrive, look = [0, 0, 1, 1, 2, 2, 3, 3], [r for r in range(world) for _ in range(2 * world - 1)]
+    race = [2, 3, 0, 1, 1, 1, 2, 2, 0, 3]  # each rank's lock attempts, in the order above
+    sched = _Scripted(dist.HashStore(), world, arrive + look + race)
+    got, errors = {}, []
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = find_partner(sched.view(r), r, world, "g/", _Picks(picks[r]), timeout=600)
+        except AssertionError as exc:
+            errors.append(str(exc))
+        finally:
+            sched.leave(r)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    sched.run()
+    assert not errors, (errors, got)
+    assert all(got[got[r]] == r for r in range(world)), got
 
 # --- Cora: accuracy of every mode against synchronous training -------------------------------
 
