@@ -1,6 +1,7 @@
 """The buffer pool (bnsgcn.kernels.buffers) and the pooled dense products: a block is handed
-out again only when nothing can read or write it any more, spare blocks go back to the
-system, and training with every tensor pooled is exact and identical to training without."""
+out again only when nothing can read or write it any more, free blocks serve the next step
+and those a step did not use go back to the system, and training with every tensor pooled is
+exact and identical to training without."""
 
 from __future__ import annotations
 
@@ -64,14 +65,22 @@ def test_whatever_still_refers_to_a_block_keeps_it(holder):
     assert _address(pool.empty((ROWS, 64), torch.float32)) == address
 
 
-def test_spare_blocks_go_back_to_the_system():
+def test_free_blocks_stay_for_the_next_round_and_unused_ones_go_back_at_its_end():
     pool = BufferPool()
     block = ROWS * 128 * 4  # 4 MiB
-    held = [pool.empty((ROWS, 128), torch.float32) for _ in range(3)]
+    with pooled(pool):  # a step: three outputs alive at once, then freed
+        held = [buffers.empty((ROWS, 128), torch.float32) for _ in range(3)]
+        addresses = {_address(t) for t in held}
+        del held
     assert pool.nbytes() == 3 * block == pool.largest_bytes
-    del held
-    kept = pool.empty((ROWS, 128), torch.float32)
-    assert pool.nbytes() == block  # the two other free blocks were let go
+    with pooled(pool):  # the next step writes into the same three: nothing new
+        held = [buffers.empty((ROWS, 128), torch.float32) for _ in range(3)]
+        assert {_address(t) for t in held} == addresses and pool.nbytes() == 3 * block
+        del held
+    with pooled(pool):  # a step that needs one: the two it left unused go back at its end
+        kept = buffers.empty((ROWS, 128), torch.float32)
+        assert pool.nbytes() == 3 * block
+    assert pool.nbytes() == block
     # a block up to twice the size serves a smaller request; a smaller request gets its own
     del kept
     half = pool.empty((ROWS // 2 + 1, 128), torch.float32)
@@ -79,6 +88,13 @@ def test_spare_blocks_go_back_to_the_system():
     del half
     quarter = pool.empty((ROWS // 4, 128), torch.float32)
     assert pool.nbytes() == block + block // 4 and quarter.shape == (ROWS // 4, 128)
+    pool.trim()  # the end of a round that handed out both
+    assert pool.nbytes() == block + block // 4
+    pool.trim()  # a round that handed out neither: the free one goes, the one in use stays
+    assert pool.nbytes() == block // 4
+    del quarter
+    pool.trim()
+    assert pool.nbytes() == 0
 
 
 def test_small_tensors_other_dtypes_and_no_pool_use_torch_empty():

@@ -7,10 +7,12 @@ fifty such tensors (1.4 GB), and the kernel faults in and zeroes every one of th
 it is written: in a profile, 17% of the rank's CPU time was in the kernel, 11% zeroing
 pages (docs/benchmarks.md, "Buffers reused").
 
-A :class:`BufferPool` keeps a freed block for the next request of its size instead. It
-holds a block only until then: a request that finds several free blocks of a size takes
-one and returns the others to the system, so the pool holds about what the step holds
-alive at once: the peak per rank measured 0-3% above the C library's alone there.
+A :class:`BufferPool` keeps a freed block for the next request of its size instead, from
+one training step to the next: a step's forward then writes into the blocks the previous
+step's backward freed, and in steady state no block is new. A block that a whole step
+(one :func:`pooled` round) did not ask for goes back to the system at the round's end, so
+the pool holds what a step holds alive at once, not what steps once needed. On the
+reference graph the peak per rank measured 0-2% above the C library's alone.
 
 The kernels that write every element of a new output (sparse products, dropout, the fused
 layer norm), the dense products of :mod:`bnsgcn.kernels.dense` and the exchange's gradient
@@ -50,6 +52,7 @@ class _Block:
         # array starts 16 bytes into its page, which cost 10-15% of an epoch here
         self.memory = torch.empty(nbytes, dtype=torch.uint8).numpy()
         self.handed_out: weakref.ref | None = None
+        self.used = True  # handed out in this round (:meth:`BufferPool.trim`)
 
     def is_free(self) -> bool:
         return self.handed_out is None or self.handed_out() is None
@@ -57,11 +60,12 @@ class _Block:
     def hand_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         array = self.memory[: math.prod(shape) * dtype.itemsize].view(_NUMPY[dtype]).reshape(shape)
         self.handed_out = weakref.ref(array)
+        self.used = True
         return torch.from_numpy(array)
 
 
 class BufferPool:
-    """Freed blocks of 1 MiB or more kept for the next request of their size."""
+    """Freed blocks of 1 MiB or more kept for the next request of their size (see the module)."""
 
     def __init__(self) -> None:
         self._blocks: dict[int, list[_Block]] = {}  # by size in bytes
@@ -72,15 +76,11 @@ class BufferPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_POOLED_BYTES or dtype not in _NUMPY:
             return torch.empty(shape, dtype=dtype)
-        # free blocks that fit, up to twice the size (an activation [n, d] and the gradient
-        # of the boundary rows [N_b, d] differ by a few percent): the smallest is taken, the
-        # rest go back to the system (they would only raise the peak until next used)
+        # the smallest free block that fits, up to twice the size (an activation [n, d] and
+        # the gradient of the boundary rows [N_b, d] differ by a few percent)
         free = [(size, block) for size, blocks in self._blocks.items() if nbytes <= size <= 2 * nbytes for block in blocks if block.is_free()]
         if free:
             block = min(free, key=lambda item: item[0])[1]
-            for other_size, other in free:
-                if other is not block:
-                    self._blocks[other_size].remove(other)
         else:
             block = _Block(nbytes)
             self._blocks.setdefault(nbytes, []).append(block)
@@ -90,6 +90,16 @@ class BufferPool:
     def nbytes(self) -> int:
         """Bytes the pool holds, in use or not."""
         return sum(size * len(blocks) for size, blocks in self._blocks.items())
+
+    def trim(self) -> None:
+        """End a round: let go of the free blocks it did not hand out (sizes a step no
+        longer asks for, such as another p's boundary rows)."""
+        for size, blocks in list(self._blocks.items()):
+            blocks[:] = [block for block in blocks if block.used or not block.is_free()]
+            for block in blocks:
+                block.used = False
+            if not blocks:
+                del self._blocks[size]
 
     def clear(self) -> None:
         """Let go of every block (those in use are freed with their last tensor)."""
@@ -109,10 +119,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 @contextmanager
 def pooled(pool: BufferPool | None) -> Iterator[None]:
-    """Outputs made by :func:`empty` inside come from ``pool`` (``None``: ``torch.empty``)."""
+    """Outputs made by :func:`empty` inside come from ``pool`` (``None``: ``torch.empty``);
+    a round of the pool (:meth:`BufferPool.trim` at the end)."""
     global _active
     previous, _active = _active, pool
     try:
         yield
     finally:
         _active = previous
+        if pool is not None:
+            pool.trim()
