@@ -22,6 +22,12 @@ One invocation, on the machine it runs on:
    * Copy bandwidth :math:`B` in bytes/s: a 256 MiB ``copy_``, bytes read + written
      (:func:`benchmarks.kernels.copy_bandwidth`).
 
+   The roofline is measured before the first run and again after each run. A run's floor
+   takes each measurement's time as the mean of the two around the run (the rate is the
+   work over that mean): this machine's rates drift by 20-40% within minutes, and a single
+   measurement before all runs made a run's ratio depend on when each was taken. Each run
+   records ``rate_spread``, the largest relative difference of any rate between the two.
+
 2. **Floor of one training step of one rank** (GraphSAGE, mean aggregation, first layer's
    aggregation precomputed, layer norm, ReLU, dropout, Adam; f = 4 bytes per float).
    Widths :math:`d_0 = F, d_1 .. d_{L-1} = H, d_L = C`; layer l maps :math:`d_l \to d_{l+1}`.
@@ -235,7 +241,13 @@ def gather_bandwidth(rows: int, width: int, entries: int, repeat: int) -> dict:
 
 
 def measure_roofline(graphs: list[RankGraph], repeat: int) -> dict:
-    """GEMM rates for every (kind, d_in, d_out) of the model, gather and copy bandwidth; one thread."""
+    """GEMM rates for every (kind, d_in, d_out) of the model, gather and copy bandwidth; one
+    thread; with how busy the machine was meanwhile (``machine_use``)."""
+    roofline, use = with_machine_use(lambda: _roofline(graphs, repeat), resource.RUSAGE_SELF)
+    return roofline | {"machine_use": use}
+
+
+def _roofline(graphs: list[RankGraph], repeat: int) -> dict:
     torch.set_num_threads(1)
     largest = max(graphs, key=lambda g: g.inner + g.boundary)
     widths = layer_widths(largest.features, largest.classes)
@@ -250,6 +262,24 @@ def measure_roofline(graphs: list[RankGraph], repeat: int) -> dict:
     entries = largest.inner_entries + largest.boundary_entries
     gathers = [gather_bandwidth(largest.inner + largest.boundary, w, entries, repeat) for w in aggregated]
     return {"threads": torch.get_num_threads(), "gemm": gemms, "gather": gathers, "copy_bytes_per_s": copy_bandwidth(repeat)}
+
+
+def around(before: dict, after: dict) -> dict:
+    """The roofline of a run measured between ``before`` and ``after``: each measurement's
+    time the mean of the two, its rate the work over that time; ``rate_spread``, the
+    largest relative difference of any rate between them."""
+    spreads = []
+
+    def mean(first: dict, second: dict, rate: str) -> dict:
+        seconds = (first["seconds"] + second["seconds"]) / 2
+        spreads.append(abs(first[rate] - second[rate]) / max(first[rate], second[rate]))
+        return first | {"seconds": seconds, rate: first[rate] * first["seconds"] / seconds}
+
+    gemm = [mean(a, b, "flop_per_s") for a, b in zip(before["gemm"], after["gemm"], strict=True)]
+    gather = [mean(a, b, "bytes_per_s") for a, b in zip(before["gather"], after["gather"], strict=True)]
+    copy = mean({"seconds": 1 / before["copy_bytes_per_s"], "rate": before["copy_bytes_per_s"]},
+                {"seconds": 1 / after["copy_bytes_per_s"], "rate": after["copy_bytes_per_s"]}, "rate")["rate"]
+    return {"threads": before["threads"], "gemm": gemm, "gather": gather, "copy_bytes_per_s": copy, "rate_spread": max(spreads)}
 
 
 # ------------------------------------------------------------------------------ the floor
@@ -418,15 +448,21 @@ def work_amount(part: dict) -> str:
 
 def render(document: dict) -> str:
     """The roofline and, per p, the slowest rank's phases against their floors (markdown)."""
-    roof = document["roofline"]
+    rooflines = document["rooflines"]
     lines = [f"{document['date']}, {document['machine']['cpu_model']}, {document['machine']['cores']} cores; "
-             f"roofline on {roof['threads']} thread", "", "| product | rows x d_in -> d_out | GFLOP/s |", "|---|---|---|"]
-    lines += [f"| {g['kind']} | {g['rows']} x {g['d_in']} -> {g['d_out']} | {g['flop_per_s'] / 1e9:.1f} |" for g in roof["gemm"]]
-    lines += [f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | {g['bytes_per_s'] / 1e9:.1f} GB/s |" for g in roof["gather"]]
-    lines += [f"| copy | 256 MiB | {roof['copy_bytes_per_s'] / 1e9:.1f} GB/s |", "",
-              f"other processes used {format_share(roof['machine_use']['other_processes_core_share'])} of the cores meanwhile", ""]
+             f"roofline on {rooflines[0]['threads']} thread, measured before the first run and after each", "",
+             "| product | rows x d_in -> d_out | " + " | ".join(f"GFLOP/s ({i + 1})" for i in range(len(rooflines))) + " |",
+             "|---|---|" + "---|" * len(rooflines)]
+    lines += [f"| {g['kind']} | {g['rows']} x {g['d_in']} -> {g['d_out']} | " + " | ".join(f"{r['gemm'][i]['flop_per_s'] / 1e9:.1f}" for r in rooflines) + " |"
+              for i, g in enumerate(rooflines[0]["gemm"])]
+    lines += [f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | " + " | ".join(f"{r['gather'][i]['bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |"
+              for i, g in enumerate(rooflines[0]["gather"])]
+    lines += ["| copy | 256 MiB | " + " | ".join(f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |", "",
+              "other processes used " + ", ".join(format_share(r["machine_use"]["other_processes_core_share"]) for r in rooflines)
+              + " of the cores during these measurements", ""]
     for run in document["runs"]:
-        lines += [f"p = {run['p']:g}, rank {run['slowest_rank']} (the slowest):", "",
+        lines += [f"p = {run['p']:g}, rank {run['slowest_rank']} (the slowest); floor from the roofline measured before and after the run "
+                  f"(rates differ by up to {100 * run['roofline']['rate_spread']:.0f}% between them):", "",
                   "| phase | measured (s) | floor (s) | ratio | above floor (s) |", "|---|---|---|---|---|"]
         lines += [f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} | {r['above_floor_s']:.3f} |"
                   for r in run["phases"] + [run["epoch"]]]
@@ -488,8 +524,7 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
     parts_dir = partition_quick(work, args.timeout) if args.quick else args.parts_dir
     graphs = read_rank_graphs(parts_dir)
     print("measuring the roofline (one thread) ...", file=sys.stderr, flush=True)
-    roofline, roofline_use = with_machine_use(lambda: measure_roofline(graphs, args.repeat), resource.RUSAGE_SELF)
-    roofline["machine_use"] = roofline_use
+    rooflines = [measure_roofline(graphs, args.repeat)]
     runs = []
     for p in args.p:
         print(f"training at p = {p:g} ...", file=sys.stderr, flush=True)
@@ -497,11 +532,14 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation
         _, machine_use = with_machine_use(lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN)
         figures = read_train_run(run_dir)
+        print("measuring the roofline again ...", file=sys.stderr, flush=True)
+        rooflines.append(measure_roofline(graphs, args.repeat))
+        roofline = around(rooflines[-2], rooflines[-1])
         peak_mib = [b / MiB for b in figures["peak_rss_bytes"]]
         peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
         runs.append({"p": p, "epoch_wall_s": figures["epoch_time_s"], "machine_use": machine_use, "peak_rss_mib": peak_mib,
                      "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
-                     **compare(graphs, read_run(run_dir), roofline)})
+                     "roofline": roofline, **compare(graphs, read_run(run_dir), roofline)})
     return {
         "date": date.today().isoformat(),
         "command": command,
@@ -512,7 +550,7 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
                    "epochs": args.epochs, "repeat": args.repeat, "ps": args.p},
         "target_ratio": TARGET_RATIO,
         "graph": [asdict(g) for g in graphs],
-        "roofline": roofline,
+        "rooflines": rooflines,
         "runs": runs,
     }
 

@@ -66,7 +66,8 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left behind
 
     assert document["date"] and document["machine"]["cpu_model"]
-    roof = document["roofline"]
+    assert len(document["rooflines"]) == len(document["runs"]) + 1  # before the first run and after each
+    roof = document["rooflines"][0]
     assert roof["threads"] == 1
     # every distinct product the model runs, once: 128 -> 128 (layers 0 and 1) and 128 -> 16, each kind
     assert sorted((g["kind"], g["d_in"], g["d_out"]) for g in roof["gemm"]) == sorted((k, 128, d) for d in (128, 16) for k in rl.GEMM_KINDS)
@@ -77,7 +78,19 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
 
     assert [run["p"] for run in document["runs"]] == [1.0, 0.1]
-    for run in document["runs"]:
+    for k, run in enumerate(document["runs"]):
+        # the run's roofline: each time the mean of the measurements before and after it
+        before, after, used = document["rooflines"][k], document["rooflines"][k + 1], run["roofline"]
+        spreads = []
+        for kind, rate in (("gemm", "flop_per_s"), ("gather", "bytes_per_s")):
+            for a, b, m in zip(before[kind], after[kind], used[kind], strict=True):
+                assert m["seconds"] == pytest.approx((a["seconds"] + b["seconds"]) / 2)
+                assert m[rate] == pytest.approx(a[rate] * a["seconds"] / m["seconds"])
+                spreads.append(abs(a[rate] - b[rate]) / max(a[rate], b[rate]))
+        copies = (before["copy_bytes_per_s"], after["copy_bytes_per_s"])
+        assert used["copy_bytes_per_s"] == pytest.approx(2 / sum(1 / c for c in copies))
+        spreads.append(abs(copies[0] - copies[1]) / max(copies))
+        assert used["rate_spread"] == pytest.approx(max(spreads))
         assert [r["phase"] for r in run["phases"]] == list(rl.PHASES)
         for r in run["phases"] + [run["epoch"]]:
             assert r["measured_s"] >= 0 and r["floor_s"] >= 0
