@@ -78,19 +78,26 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
 
     assert [run["p"] for run in document["runs"]] == [1.0, 0.1]
+    assert [r["busy_neighbours"] for r in document["rooflines_busy"]] == [1, 1, 1]  # one per other rank
     for k, run in enumerate(document["runs"]):
-        # the run's roofline: each time the mean of the measurements before and after it
-        before, after, used = document["rooflines"][k], document["rooflines"][k + 1], run["roofline"]
-        spreads = []
-        for kind, rate in (("gemm", "flop_per_s"), ("gather", "bytes_per_s")):
-            for a, b, m in zip(before[kind], after[kind], used[kind], strict=True):
-                assert m["seconds"] == pytest.approx((a["seconds"] + b["seconds"]) / 2)
-                assert m[rate] == pytest.approx(a[rate] * a["seconds"] / m["seconds"])
-                spreads.append(abs(a[rate] - b[rate]) / max(a[rate], b[rate]))
-        copies = (before["copy_bytes_per_s"], after["copy_bytes_per_s"])
-        assert used["copy_bytes_per_s"] == pytest.approx(2 / sum(1 / c for c in copies))
-        spreads.append(abs(copies[0] - copies[1]) / max(copies))
-        assert used["rate_spread"] == pytest.approx(max(spreads))
+        # the run's roofline: each time the mean of the measurements before and after it;
+        # likewise the one measured with the other rank's core busy
+        for measurements, key in (("rooflines", "roofline"), ("rooflines_busy", "roofline_busy")):
+            before, after, used = document[measurements][k], document[measurements][k + 1], run[key]
+            spreads = []
+            for kind, rate in (("gemm", "flop_per_s"), ("gather", "bytes_per_s")):
+                for a, b, m in zip(before[kind], after[kind], used[kind], strict=True):
+                    assert m["seconds"] == pytest.approx((a["seconds"] + b["seconds"]) / 2)
+                    assert m[rate] == pytest.approx(a[rate] * a["seconds"] / m["seconds"])
+                    spreads.append(abs(a[rate] - b[rate]) / max(a[rate], b[rate]))
+            copies = (before["copy_bytes_per_s"], after["copy_bytes_per_s"])
+            assert used["copy_bytes_per_s"] == pytest.approx(2 / sum(1 / c for c in copies))
+            spreads.append(abs(copies[0] - copies[1]) / max(copies))
+            assert used["rate_spread"] == pytest.approx(max(spreads))
+        busy = run["epoch_with_ranks_busy"]  # the same epoch against the floor of the busy rates
+        assert busy["measured_s"] == pytest.approx(run["epoch"]["measured_s"]) and busy["floor_s"] > 0
+        assert busy["floor_s"] != pytest.approx(run["epoch"]["floor_s"], rel=1e-9)
+        assert busy["ratio"] == pytest.approx(busy["measured_s"] / busy["floor_s"])
         assert [r["phase"] for r in run["phases"]] == list(rl.PHASES)
         for r in run["phases"] + [run["epoch"]]:
             assert r["measured_s"] >= 0 and r["floor_s"] >= 0
