@@ -304,8 +304,9 @@ def around(before: dict, after: dict) -> dict:
 
     gemm = [mean(a, b, "flop_per_s") for a, b in zip(before["gemm"], after["gemm"], strict=True)]
     gather = [mean(a, b, "bytes_per_s") for a, b in zip(before["gather"], after["gather"], strict=True)]
-    copy = mean({"seconds": 1 / before["copy_bytes_per_s"], "rate": before["copy_bytes_per_s"]},
-                {"seconds": 1 / after["copy_bytes_per_s"], "rate": after["copy_bytes_per_s"]}, "rate")["rate"]
+    first, second = before["copy_bytes_per_s"], after["copy_bytes_per_s"]  # rates of one byte's work
+    spreads.append(abs(first - second) / max(first, second))
+    copy = 2 / (1 / first + 1 / second)
     return {"threads": before["threads"], "gemm": gemm, "gather": gather, "copy_bytes_per_s": copy, "rate_spread": max(spreads)}
 
 
