@@ -88,8 +88,11 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int], instrument=None) -> None:
+def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int], environ: dict[str, str], instrument=None) -> None:
     local_rank = nodes[:rank].count(nodes[rank])
+    # A forked rank inherits the forkserver's environment, not the test's (monkeypatch.setenv)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), GROUP_RANK=str(nodes[rank]))
     torch.set_num_threads(1)
     from bnsgcn.train import run
@@ -109,6 +112,14 @@ def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[in
         queue.put((rank, None, traceback.format_exc()))
 
 
+def _rank_context():
+    """Rank processes forked from a server that imported torch and the engine once
+    (:mod:`tests.rank_preload`), instead of spawned to import them again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.rank_preload", "tests.distributed"])
+    return ctx
+
+
 def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None, instrument=None) -> list[list[dict]]:
     """Run each config as a job of ``world`` ranks (processes); return results[rank][config].
 
@@ -117,10 +128,10 @@ def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, node
     each run; it returns a function whose result, after the run, is the result's
     ``instrumented``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.Queue()
     ports = [free_port() for _ in configs]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world, instrument)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world, dict(os.environ), instrument)) for r in range(world)]
     for p in procs:
         p.start()
     results: list = [None] * world
