@@ -15,10 +15,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -44,7 +47,7 @@ from .model import GNN
 from .optim import Adam
 from .paramsync import EpochTables, LocalExchange, ParameterSync, checkpoints, evaluates, make_sync
 from .poolsync import make_pool_sync
-from .progress import Progress
+from .progress import Progress, step
 from .provenance import launch_info, run_name_suffix
 from .sampler import derive_seed, sample_boundary
 from .shard import Shard, Topology, load_shard
@@ -55,6 +58,9 @@ from .straggler import InjectedDelay, check_flags, parse_delays, parse_sync
 from .workpool import WorkPool
 
 SPLITS = ("train", "val", "test")
+# Compiling every CPU kernel took about a minute on 2 busy cores: longer than a collective's
+# --timeout may be, so ranks wait for it through the store, this long at most.
+KERNEL_COMPILE_TIMEOUT_S = 900.0
 
 
 @dataclass
@@ -275,12 +281,62 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
     return _finish(job, metrics, best, tables, last_loss)
 
 
+def _compile_kernels(comm: Comm) -> None:
+    """Have one process per machine compile the CPU kernels that numba's cache lacks
+    (:mod:`bnsgcn.kernels.warmup`) before any rank calls one: a rank that compiles keeps the
+    compiler's memory to its end. The first rank of each machine says through the job's
+    store when its machine is ready; every rank waits for all of them."""
+    if comm.device.type != "cpu":
+        return
+    from .kernels import warmup
+
+    leaders = [members[0] for members in comm.nodes.members]
+    shared = comm.store is not None and comm.world_size > 1
+    if comm.rank in leaders:
+        outcome = "ready"
+        if warmup.needs_compiling(comm.device):
+            outcome = _run_warmup(comm.rank)
+        if shared:
+            comm.store.set(f"kernels/{comm.node}", outcome)
+        if outcome != "ready":
+            raise UserError(outcome)
+    if not shared:
+        return
+    keys = [f"kernels/{node}" for node in range(len(leaders))]
+    try:
+        comm.store.wait(keys, timedelta(seconds=KERNEL_COMPILE_TIMEOUT_S))
+    except Exception:  # timed out (or the store is gone): name the machines' ranks not ready
+        silent = [f"rank {leaders[n]}" for n, key in enumerate(keys) if not comm.store.check([key])]
+        raise PeerLost(f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within {KERNEL_COMPILE_TIMEOUT_S:.0f} s") from None
+    for node, key in enumerate(keys):
+        if (outcome := comm.store.get(key).decode()) != "ready":
+            raise PeerLost(f"rank {comm.rank}: rank {leaders[node]} failed: {outcome}")
+
+
+def _run_warmup(rank: int) -> str:
+    """``python -m bnsgcn.kernels.warmup`` in a process of its own: "ready", or what went wrong."""
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "bnsgcn.kernels.warmup"]
+    again = "python -m bnsgcn.kernels.warmup"
+    with step(f"[rank {rank}] compiling the CPU kernels into numba's cache (once per machine and version)"):
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=KERNEL_COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"compiling the CPU kernels took longer than {KERNEL_COMPILE_TIMEOUT_S:.0f} s; run {again} to see where it stops"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"compiling the CPU kernels failed ({last}); run {again} to see the error, or set BNSGCN_KERNELS=torch"
+    return "ready"
+
+
 def _setup(config: TrainConfig, comm: Comm) -> Job:
     """Load the shard, build both graphs, the model, optimizer, reducer and exchanges; then
     (only for input that passed every check) the run directory and its log."""
     if config.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
+    _compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     config = replace(config, exchange=exchange_mode(config, comm))  # auto -> direct or hierarchical (direct with --max-lag)
     pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None

@@ -17,7 +17,8 @@ CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse`
 :func:`dropout` is here too: on CPU it draws its mask far faster than torch's dropout;
 :func:`layer_norm_relu_dropout` fuses the step between hidden layers into one pass each way.
 On CPU, training's large outputs come from a pool of reused blocks (:mod:`.buffers`; the
-dense products of :mod:`.dense` too).
+dense products of :mod:`.dense` too). :mod:`.warmup` compiles the numba kernels into
+numba's on-disk cache in a process of its own before a job's ranks load their data.
 """
 
 from .adjacency import Adjacency
