@@ -40,7 +40,7 @@ from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
-from .kernels.backend import seed_step
+from .kernels.backend import kernel_backend, seed_step
 from .kernels.buffers import BufferPool, pooled
 from .log import MetricsWriter, setup_logging
 from .model import GNN
@@ -286,7 +286,9 @@ def _compile_kernels(comm: Comm) -> None:
     (:mod:`bnsgcn.kernels.warmup`) before any rank calls one: a rank that compiles keeps the
     compiler's memory to its end. The first rank of each machine says through the job's
     store when its machine is ready; every rank waits for all of them."""
-    if comm.device.type != "cpu":
+    from .kernels import torch_backend
+
+    if kernel_backend(comm.device) is torch_backend:  # CUDA, or BNSGCN_KERNELS=torch: numba is not even imported
         return
     from .kernels import warmup
 
@@ -294,7 +296,7 @@ def _compile_kernels(comm: Comm) -> None:
     shared = comm.store is not None and comm.world_size > 1
     if comm.rank in leaders:
         outcome = "ready"
-        if warmup.needs_compiling(comm.device):
+        if warmup.needs_compiling():
             outcome = _run_warmup(comm.rank)
         if shared:
             comm.store.set(f"kernels/{comm.node}", outcome)

@@ -86,13 +86,8 @@ def stamp_path() -> Path | None:
     return Path(directory) / f"{_STAMP_PREFIX}{cache_key()}"
 
 
-def needs_compiling(device: torch.device) -> bool:
-    """Whether ranks on ``device`` would compile kernels: the numba backend is in use
-    there and its stamp is missing."""
-    from .backend import kernel_backend
-
-    if kernel_backend(device) is not numba_backend:
-        return False
+def needs_compiling() -> bool:
+    """Whether ranks that use the numba kernels would compile some: the stamp is missing."""
     stamp = stamp_path()
     return stamp is not None and not stamp.exists()
 
