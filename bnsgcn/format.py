@@ -12,7 +12,9 @@ describes them for users. The offline step (``partition/``) writes sets with
 :func:`write_array` and :func:`write_manifest`; training ranks read one partition with
 :func:`load_partition`. Local column numbering of a partition: ``[0, n_inner)`` are its
 inner nodes in the order of ``inner_nodes``, ``[n_inner, n_inner + n_boundary)`` its
-boundary nodes in the order of ``boundary_nodes`` (grouped by owner partition, ascending).
+boundary nodes in the order of ``boundary_nodes`` (grouped by owner partition, ascending,
+then in the owner's node order). The node order within a partition is ascending global id
+or blocks of nodes that share neighbours (``partitioner.node_order`` in the manifest).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ MANIFEST_NAME = "manifest.json"
 
 # name -> what it holds; shapes use n_inner, n_boundary, nnz, K (parts), F, C.
 PART_ARRAYS: dict[str, str] = {
-    "inner_nodes": "int64 [n_inner]: global ids of the inner nodes, ascending",
-    "boundary_nodes": "int64 [n_boundary]: global ids of the boundary nodes, grouped by owner then ascending",
+    "inner_nodes": "int64 [n_inner]: global ids of the inner nodes, in the partition's node order",
+    "boundary_nodes": "int64 [n_boundary]: global ids of the boundary nodes, grouped by owner, then in the owner's node order",
     "boundary_offsets": "int64 [K+1]: boundary_nodes[o[q]:o[q+1]] are owned by partition q",
     "adj_indptr": "int64 [n_inner+1]: CSR row pointer of the inner nodes' in-edges (self-loop included)",
     "adj_indices": "int32 [nnz]: source of each in-edge in local column numbering",

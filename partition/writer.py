@@ -2,9 +2,11 @@
 
 For an assignment ``a`` (``a[v]`` = owner of node ``v``) partition ``k`` holds
 
-* inner nodes ``I_k = {v : a[v] = k}``, ascending;
+* inner nodes ``I_k = {v : a[v] = k}``, ascending by ``position[v]`` (the node order of
+  :mod:`~bnsgcn.partition.order`), by global id without one;
 * boundary nodes ``B_k = {u : (u -> v) in E, v in I_k, a[u] != k}``, grouped by owner
-  ascending, then by global id;
+  ascending, then in the same order (an owner's boundary nodes in the order of its own
+  inner nodes);
 * the in-edges of its inner nodes plus one self-loop per inner node, as CSR over local
   columns ``[0, |I_k|)`` = inner, ``[|I_k|, |I_k| + |B_k|)`` = boundary, with ascending
   columns in every row;
@@ -124,11 +126,13 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
 
 
 def _request(partitioner: dict) -> dict:
-    """The ``partitioner`` entry without ``resolved`` (what ``--method auto`` chose), for comparing requests."""
-    return {key: value for key, value in partitioner.items() if key != "resolved"}
+    """The ``partitioner`` entry without what the run found (``resolved``: what ``--method auto``
+    chose; ``blocks_by``: how each partition's blocks were found), for comparing requests. Sets
+    written before node orders existed keep ascending ids: ``node_order`` "ids"."""
+    return {"node_order": "ids"} | {key: value for key, value in partitioner.items() if key not in ("resolved", "blocks_by")}
 
 
-WRITER_BYTES_PER_NODE = 48  # owner order, local index, boundary column, degree, flags, assignment
+WRITER_BYTES_PER_NODE = 64  # owner order and its sort keys, local index, boundary column, degree, flags, assignment
 
 
 def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
@@ -196,8 +200,12 @@ def write_partition_set(
     inputs: Sequence[dict] = (),
     force: bool = False,
     progress: bool = True,
+    position: np.ndarray | None = None,
 ) -> dict:
     """Write the partition set of ``assignment`` (int64 [N], values in ``[0, parts)``).
+
+    ``position`` (int64 [N], :func:`bnsgcn.partition.order.block_positions`) orders the nodes
+    within each partition; ``None`` keeps ascending global ids.
 
     ``method_info`` is the manifest's ``partitioner`` entry
     (:func:`bnsgcn.partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
@@ -219,7 +227,7 @@ def write_partition_set(
     tmp_dir = _temporary_dir(out_dir)
     created = _make_dirs(tmp_dir)
     try:
-        partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress)
+        partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
         report = build_report(partitions)
         manifest = {
             "dataset": dataset_entry(graph, spec, inputs),
@@ -325,15 +333,30 @@ def _local_adjacency(indptr, indices, inner, assignment, k, local_index, boundar
         adj_indptr[i + 1] = pos
 
 
-def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir: Path, progress: bool) -> list[dict]:
+def _by_owner(nodes: np.ndarray, assignment: np.ndarray, position: np.ndarray | None) -> np.ndarray:
+    """``nodes`` (ascending global ids) grouped by owner, each group by ``position`` (None: by id)."""
+    if position is None:  # a stable sort keeps global ids ascending within each owner
+        return nodes[np.argsort(assignment[nodes], kind="stable")]
+    return nodes[np.lexsort((position[nodes], assignment[nodes]))]
+
+
+def inner_order(assignment: np.ndarray, parts: int, position: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every partition's inner nodes in order: ``(by_owner, starts, local_index)``, where
+    ``by_owner[starts[k]:starts[k + 1]]`` are partition ``k``'s inner nodes and ``local_index[v]``
+    is node ``v``'s place among its partition's (int64 [N], [K + 1], [N])."""
+    num_nodes = assignment.shape[0]
+    starts = np.concatenate([[0], np.cumsum(np.bincount(assignment, minlength=parts))])
+    by_owner = _by_owner(np.arange(num_nodes, dtype=np.int64), assignment, position)
+    local_index = np.empty(num_nodes, dtype=np.int64)
+    local_index[by_owner] = np.arange(num_nodes, dtype=np.int64) - starts[assignment[by_owner]]
+    return by_owner, starts, local_index
+
+
+def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir: Path, progress: bool,
+                      position: np.ndarray | None) -> list[dict]:
     """Write every partition's arrays under ``out_dir``; return the manifest's ``partitions``."""
     num_nodes = graph.num_nodes
-    sizes = np.bincount(assignment, minlength=parts)
-    part_starts = np.concatenate([[0], np.cumsum(sizes)])
-    # Nodes sorted by owner; a stable sort keeps global ids ascending within each partition.
-    by_owner = np.argsort(assignment, kind="stable")
-    local_index = np.empty(num_nodes, dtype=np.int64)  # position of a node among its partition's inner nodes
-    local_index[by_owner] = np.arange(num_nodes, dtype=np.int64) - part_starts[assignment[by_owner]]
+    by_owner, part_starts, local_index = inner_order(assignment, parts, position)
     degree = (graph.in_degree() + 1).astype(np.float32)
     # Scratch arrays reused by every partition: O(N) memory once instead of per partition.
     is_boundary = np.zeros(num_nodes, dtype=bool)
@@ -352,7 +375,7 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
             # is many times slower on arrays of this size.
             boundary = np.flatnonzero(is_boundary)
             is_boundary[boundary] = False
-            boundary = boundary[np.argsort(assignment[boundary], kind="stable")]
+            boundary = _by_owner(boundary, assignment, position)
             boundary_offsets = np.concatenate([[0], np.cumsum(np.bincount(assignment[boundary], minlength=parts))])
             n_local = n_inner + boundary.shape[0]
             if n_local >= 2**31:

@@ -18,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
 from bnsgcn.errors import UserError
 from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest, write_manifest
 from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.partition.order import block_positions
 from bnsgcn.partition.partitioner import assign, method_info, random_assignment, read_assignment
 from bnsgcn.partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
 
@@ -75,18 +77,25 @@ def edge_keys(graph: Graph) -> np.ndarray:
     return np.sort(keys)
 
 
-def check_partition_set(graph: Graph, out_dir: Path, parts: int) -> None:
-    """Assert every invariant of the format against ``graph``."""
+def check_partition_set(graph: Graph, out_dir: Path, parts: int, position: np.ndarray | str | None = None) -> None:
+    """Assert every invariant of the format against ``graph``; nodes ordered by ``position``
+    within a partition (and within an owner's boundary group), by global id when None, in
+    the order the set has (checking the boundary groups against it) when "as written"."""
     n = graph.num_nodes
     loaded = [load_partition(out_dir, k, verify=True) for k in range(parts)]
+    key = np.arange(n) if position is None else position
+    if isinstance(position, str):
+        key = np.empty(n, dtype=np.int64)
+        for p in loaded:
+            key[p["inner_nodes"]] = np.arange(p["inner_nodes"].shape[0])
     manifest = read_manifest(out_dir)
     assert manifest["parts"] == parts and len(manifest["partitions"]) == parts
     assert manifest["dataset"]["num_nodes"] == n and manifest["dataset"]["num_edges"] == graph.num_edges
 
-    # Inner sets: ascending, disjoint, covering.
+    # Inner sets: in order, disjoint, covering.
     inner = [p["inner_nodes"] for p in loaded]
     for nodes in inner:
-        assert np.all(np.diff(nodes) > 0)
+        assert np.all(np.diff(key[nodes]) > 0)
     assert np.array_equal(np.sort(np.concatenate(inner)), np.arange(n))
     owner = np.empty(n, dtype=np.int64)
     for k, nodes in enumerate(inner):
@@ -98,10 +107,10 @@ def check_partition_set(graph: Graph, out_dir: Path, parts: int) -> None:
     reconstructed = []
     for k, p in enumerate(loaded):
         boundary = p["boundary_nodes"]
-        # Boundary = exactly the off-partition in-neighbours of the inner nodes, grouped by owner then id.
+        # Boundary = exactly the off-partition in-neighbours of the inner nodes, grouped by owner, then in order.
         into_k = (owner[dst_all] == k) & (owner[src_all] != k)
         assert np.array_equal(np.sort(boundary), np.unique(src_all[into_k]))
-        assert np.array_equal(np.lexsort((boundary, owner[boundary])), np.arange(boundary.shape[0]))
+        assert np.array_equal(np.lexsort((key[boundary], owner[boundary])), np.arange(boundary.shape[0]))
         offsets = p["boundary_offsets"]
         assert np.array_equal(np.diff(offsets), np.bincount(owner[boundary], minlength=parts))
         assert offsets[k] == offsets[k + 1]  # no boundary node is owned by k itself
@@ -160,6 +169,26 @@ def test_partition_set_invariants(tmp_path, graph_name, parts, method):
     graph = GRAPHS[graph_name]()
     write_set(graph, tmp_path / "set", parts, method, objective="vol" if parts == 3 else "cut")
     check_partition_set(graph, tmp_path / "set", parts)
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_partition_set_invariants_in_block_order(tmp_path, monkeypatch, graph_name, parts):
+    """Nodes ordered by :func:`block_positions` (blocks of 16 nodes here, so every partition
+    has several), the empty partition of an assignment file included."""
+    monkeypatch.setattr(order_module, "BLOCK_NODES", 16)
+    graph = GRAPHS[graph_name]()
+    assignment = assign(graph, parts, "metis", "cut", 0)
+    if parts == 3:
+        assignment[assignment == 1] = 2  # partition 1 gets nothing
+    position, blocks = block_positions(graph, assignment, parts, progress=False)
+    assert blocks["parts"] == ["metis" if n > 16 else "one block" for n in np.bincount(assignment, minlength=parts)]
+    write_partition_set(graph, assignment, tmp_path / "set", parts=parts, method_info=method_info("metis", "cut", 0),
+                        progress=False, position=position)
+    check_partition_set(graph, tmp_path / "set", parts, position)
+    inner = load_partition(tmp_path / "set", 0)["inner_nodes"]
+    if graph_name == "random":  # not the ids' order (which the check would pass too); a path's blocks keep it
+        assert not np.all(np.diff(inner) > 0)
 
 
 def test_empty_partition_from_assignment_file(tmp_path):

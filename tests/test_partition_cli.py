@@ -51,7 +51,8 @@ def test_writes_set_and_report(tmp_path, capsys):
         assert f"{row['inner']:,}" in stdout and f"{row['boundary']:,}" in stdout
     assert manifest["dataset"]["num_nodes"] == CORA_NODES and manifest["dataset"]["spec"] == CORA_NPZ
     assert manifest["partitioner"] == {"method": "metis", "objective": "cut", "seed": 0,
-                                       "balance": ["inner_nodes", "train_nodes"], "assignment_file": None}
+                                       "balance": ["inner_nodes", "train_nodes"], "assignment_file": None,
+                                       "node_order": "blocks", "blocks_by": {"block_nodes": 400, "parts": ["metis"] * 3}}
     inner = [load_partition(out, k, verify=True)["inner_nodes"] for k in range(3)]
     assert np.array_equal(np.sort(np.concatenate(inner)), np.arange(CORA_NODES))
 
@@ -90,7 +91,7 @@ def test_assignment_file(tmp_path, capsys):
     assignment = np.arange(CORA_NODES) % 3
     np.save(tmp_path / "assignment.npy", assignment)
     out = tmp_path / "set"
-    assert main([CORA_NPZ, "--parts", "3", "--assignment", str(tmp_path / "assignment.npy"), "--out", str(out)]) == 0
+    assert main([CORA_NPZ, "--parts", "3", "--assignment", str(tmp_path / "assignment.npy"), "--node-order", "ids", "--out", str(out)]) == 0
     assert read_manifest(out)["partitioner"]["method"] == "file"
     assert np.array_equal(load_partition(out, 1)["inner_nodes"], np.flatnonzero(assignment == 1))
 
@@ -399,4 +400,4 @@ def test_synthetic_dataset_end_to_end(tmp_path, capsys):
     out = tmp_path / "set"
     assert main([spec, "--parts", "3", "--objective", "vol", "--out", str(out)]) == 0
     assert read_manifest(out)["partitioner"]["objective"] == "vol"
-    check_partition_set(load_dataset(spec, None, progress=False), out, 3)
+    check_partition_set(load_dataset(spec, None, progress=False), out, 3, "as written")

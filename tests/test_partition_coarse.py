@@ -282,7 +282,7 @@ def test_streamed_csr_equals_the_in_memory_graph_and_partitions(tmp_path, capsys
     assert not graph.indices.flags.writeable and not graph.features.flags.writeable  # mapped read-only
     out = tmp_path / "set"
     assert main([f"csr:{directory}", "--parts", "3", "--method", "coarse", "--out", str(out)]) == 0
-    check_partition_set(expected, out, 3)
+    check_partition_set(expected, out, 3, "as written")
 
 
 def corrupt(directory: Path, how: str) -> None:
