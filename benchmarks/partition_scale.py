@@ -1,6 +1,6 @@
 """Time and memory of the partition step, per phase, for one or several partitioners side by side.
 
-Runs the phases of ``bnsgcn-partition`` (load or generate, assign, write, verify) on a
+Runs the phases of ``bnsgcn-partition`` (load or generate, assign, order, write, verify) on a
 synthetic graph and records, per phase, the wall time, the process' peak resident memory
 (``VmHWM``: includes pages of memory-mapped input files, which the kernel can drop at
 will), the peak *anonymous* memory of this process and its children sampled every 0.2 s
@@ -49,6 +49,7 @@ from bnsgcn.partition.datasets import Progress, load_dataset  # noqa: E402
 from bnsgcn.partition.datasets.csr import META, write_synthetic_csr  # noqa: E402
 from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec  # noqa: E402
 from bnsgcn.partition.partitioner import METHODS, assign, method_info, resolve_method  # noqa: E402
+from bnsgcn.partition.order import ORDERS, block_positions  # noqa: E402
 from bnsgcn.partition.writer import format_report, write_partition_set  # noqa: E402
 
 REDDIT_SIZED = "synthetic:nodes=232965,degree=490,features=602,classes=41"
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="metis",
                         help=f"partitioner, or several comma-separated to run side by side ({', '.join(METHODS)}; default metis)")
     parser.add_argument("--csr-dir", type=Path, help="stream the synthetic --spec to this csr: directory and partition it memory-mapped")
+    parser.add_argument("--node-order", choices=ORDERS, default="blocks", help="as bnsgcn-partition's (default blocks)")
     parser.add_argument("--memory-limit-gib", type=float, help="memory the partitioners may assume (default: available)")
     parser.add_argument("--out", type=Path, help="keep the last partition set here (default: a deleted temporary directory)")
     parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "results" / "partition_scale.json")
@@ -185,15 +187,23 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = args.out if args.out is not None and method == methods[-1] else Path(scratch) / "set"
             assignment = measure(run_phases, f"assign ({resolved})", lambda: assign(
                 graph, args.parts, resolved, "cut", 0, memory_limit=limit, progress=True))
+            position, blocks = None, None
+            if args.node_order == "blocks":
+                position, blocks = measure(run_phases, "order (blocks)", lambda: block_positions(
+                    graph, assignment, args.parts, memory_limit=limit))
+            info = method_info(resolved, "cut", 0) | {"node_order": args.node_order} | ({"blocks_by": blocks} if blocks else {})
             manifest = measure(run_phases, "write", lambda: write_partition_set(
-                graph, assignment, out_dir, parts=args.parts, method_info=method_info(resolved, "cut", 0),
-                dataset_spec=spec, force=True))
+                graph, assignment, out_dir, parts=args.parts, method_info=info, dataset_spec=spec, force=True,
+                position=position))
+            del position
             measure(run_phases, "verify checksums", lambda: [load_partition(out_dir, k, verify=True) for k in range(args.parts)])
             set_bytes = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
         print(f"{method} ({resolved}):\n{format_report(manifest['report'])}")
         runs.append({
             "method": method,
             "resolved": resolved,
+            "node_order": args.node_order,
+            "blocks_by": blocks,
             "phases": run_phases,
             "seconds": round(sum(p["seconds"] for p in run_phases), 2),
             "peak_anon_gib": max(p["peak_anon_gib"] for p in run_phases),

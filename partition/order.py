@@ -6,13 +6,17 @@ those reads jump across the whole feature matrix, unless the dataset's ids happe
 its communities. Grouping each partition's inner nodes into blocks of about
 :data:`BLOCK_NODES` nodes with many edges among them, and numbering them block by block,
 makes consecutive rows read many of the same rows, from the cache. On the reference graph
-(2 parts, 100,178 inner nodes and 2.6M entries per part) one thread's 128-wide ``A X`` took
-0.19 s in block order against 0.32 s in id order, and ``A^T dY`` 0.21 s against 0.35 s.
+(2 parts, 100,178 inner nodes and 2.6M entries per part) one thread's 128-wide ``A X`` over
+the inner columns took 126 ms in block order against 240 ms in id order, and ``A^T dY``
+147 ms against 245 ms (``benchmarks/node_order.py``).
 
 The blocks come from METIS k-way on the partition's inner subgraph (its edges between inner
-nodes), ``ceil(n_k / BLOCK_NODES)`` parts; where METIS' estimated memory does not fit
-(graphs partitioned with ``--method coarse``), from size-capped label propagation, which the
-coarse partitioner uses too (fewer, coarser clusters: about half of the gain above). Memory
+nodes), ``ceil(n_k / BLOCK_NODES)`` parts. METIS' time grows with the parts: 7 s for the
+reference graph's 251 blocks per partition, but 327 s for two partitions of 1,250 blocks
+(500,000 nodes and about 21M edges each). So for partitions of more than
+:data:`METIS_MAX_BLOCKS` blocks, or where METIS' estimated memory does not fit, the blocks
+come from size-capped label propagation instead, which the coarse partitioner uses too
+(23 s for those two partitions; coarser clusters, so less of the gain). Memory
 beyond the graph: three int64 arrays of ``N`` and one partition's inner subgraph at a time.
 
 The result is a *position* per node: the writer orders each partition's inner nodes by it,
@@ -37,6 +41,7 @@ from .writer import inner_order
 ORDERS = ("blocks", "ids")  # --node-order: blocks of neighbours (default), or ascending global id
 BLOCK_NODES = 400  # nodes per block: 400 rows of 128 floats are 200 KiB, well inside a core's L2
 LP_CAP_BLOCKS = 16  # label propagation's cluster cap, in blocks: its clusters stop growing far below the cap
+METIS_MAX_BLOCKS = 512  # larger partitions take label propagation: METIS k-way slows down with its part count
 
 
 def block_positions(graph: Graph, assignment: np.ndarray, parts: int, *, seed: int = 0,
@@ -69,7 +74,7 @@ def _blocks(graph: Graph, inner: np.ndarray, assignment: np.ndarray, k: int, loc
     sub_indptr = np.cumsum(counts)
     sub_indices = np.empty(int(sub_indptr[-1]), dtype=np.int32 if n < 2**31 else np.int64)
     _inner_edges(graph.indptr, graph.indices, inner, assignment, k, local_index, sub_indptr, sub_indices)
-    if metis_bytes(n, sub_indices.shape[0]) <= available_memory(memory_limit):
+    if blocks <= METIS_MAX_BLOCKS and metis_bytes(n, sub_indices.shape[0]) <= available_memory(memory_limit):
         return metis_parts(sub_indptr, sub_indices, np.ones(n, dtype=np.int64), 1, None, blocks, "cut", seed), "metis"
     order = np.random.default_rng(seed).permutation(n)
     none = np.zeros(0, dtype=np.int64)

@@ -333,11 +333,15 @@ def _local_adjacency(indptr, indices, inner, assignment, k, local_index, boundar
         adj_indptr[i + 1] = pos
 
 
-def _by_owner(nodes: np.ndarray, assignment: np.ndarray, position: np.ndarray | None) -> np.ndarray:
-    """``nodes`` (ascending global ids) grouped by owner, each group by ``position`` (None: by id)."""
+def _by_owner(nodes: np.ndarray | None, assignment: np.ndarray, position: np.ndarray | None) -> np.ndarray:
+    """``nodes`` (ascending global ids; None: every node) grouped by owner, each group by
+    ``position`` (None: by id)."""
+    owner = assignment if nodes is None else assignment[nodes]
     if position is None:  # a stable sort keeps global ids ascending within each owner
-        return nodes[np.argsort(assignment[nodes], kind="stable")]
-    return nodes[np.lexsort((position[nodes], assignment[nodes]))]
+        order = np.argsort(owner, kind="stable")
+    else:
+        order = np.lexsort((position if nodes is None else position[nodes], owner))
+    return order if nodes is None else nodes[order]
 
 
 def inner_order(assignment: np.ndarray, parts: int, position: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -346,7 +350,7 @@ def inner_order(assignment: np.ndarray, parts: int, position: np.ndarray | None 
     is node ``v``'s place among its partition's (int64 [N], [K + 1], [N])."""
     num_nodes = assignment.shape[0]
     starts = np.concatenate([[0], np.cumsum(np.bincount(assignment, minlength=parts))])
-    by_owner = _by_owner(np.arange(num_nodes, dtype=np.int64), assignment, position)
+    by_owner = _by_owner(None, assignment, position)
     local_index = np.empty(num_nodes, dtype=np.int64)
     local_index[by_owner] = np.arange(num_nodes, dtype=np.int64) - starts[assignment[by_owner]]
     return by_owner, starts, local_index

@@ -4,6 +4,8 @@ training on a set written in that order."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -54,14 +56,18 @@ def id_positions(assignment: np.ndarray) -> np.ndarray:
     return position
 
 
-@pytest.mark.parametrize("fits_metis", [True, False])
-def test_blocks_put_neighbours_near_each_other(monkeypatch, fits_metis):
+@pytest.mark.parametrize("case", ["metis", "memory", "many blocks"])
+def test_blocks_put_neighbours_near_each_other(monkeypatch, case):
+    """METIS finds the blocks; label propagation does where METIS would not fit the memory
+    or would have too many blocks to find."""
     monkeypatch.setattr(order_module, "BLOCK_NODES", 100)
+    if case == "many blocks":
+        monkeypatch.setattr(order_module, "METIS_MAX_BLOCKS", 9)  # each partition has 10 blocks
     graph = community_graph()
     assignment = assign(graph, 2, "metis", "cut", 0)
-    limit = None if fits_metis else 1  # 1 byte: METIS never fits, label propagation finds the blocks
+    limit = 1 if case == "memory" else None  # 1 byte: METIS never fits
     position, blocks = block_positions(graph, assignment, 2, seed=3, memory_limit=limit, progress=False)
-    assert blocks == {"block_nodes": 100, "parts": ["metis" if fits_metis else "label propagation"] * 2}
+    assert blocks == {"block_nodes": 100, "parts": ["metis" if case == "metis" else "label propagation"] * 2}
 
     # a permutation of 0 .. n_k - 1 within every partition
     for k in range(2):
@@ -103,3 +109,30 @@ def test_sets_from_before_node_orders_count_as_id_order(tmp_path):
     assert find_reusable(tmp_path / "set", graph.name, 2, info | {"node_order": "ids"}) is not None
     with pytest.raises(UserError, match="holds a different partition set; pass --force"):
         find_reusable(tmp_path / "set", graph.name, 2, info | {"node_order": "blocks"})
+
+
+def test_node_order_benchmark_renumbers_a_block_set_as_the_id_set(tmp_path, monkeypatch):
+    """benchmarks/node_order.py times a partition in its own order and in ascending ids; its
+    renumbering of a block-ordered partition is exactly what the writer makes in id order."""
+    from benchmarks import node_order as bench
+    from bnsgcn.shard import load_shard
+
+    monkeypatch.setattr(order_module, "BLOCK_NODES", 50)
+    graph = community_graph(communities=4, size=150, seed=5)
+    assignment = assign(graph, 3, "metis", "cut", 0)
+    position, _ = block_positions(graph, assignment, 3, progress=False)
+    info = method_info("metis", "cut", 0)
+    write_partition_set(graph, assignment, tmp_path / "blocks", parts=3, method_info=info | {"node_order": "blocks"}, progress=False, position=position)
+    write_partition_set(graph, assignment, tmp_path / "ids", parts=3, method_info=info, progress=False)
+    for k in range(3):
+        blocks, ids = load_shard(tmp_path / "blocks", k, 3).topology, load_shard(tmp_path / "ids", k, 3).topology
+        arrays = load_partition(tmp_path / "blocks", k)
+        assert not np.array_equal(blocks.indices.numpy(), ids.indices.numpy())
+        renumbered = bench.in_id_order(blocks, np.asarray(arrays["inner_nodes"]), np.asarray(arrays["boundary_nodes"]))
+        for name in ("indptr", "indices", "degree"):
+            assert np.array_equal(getattr(renumbered, name).numpy(), getattr(ids, name).numpy()), name
+
+    assert bench.main(["--parts-dir", str(tmp_path / "blocks"), "--part", "1", "--widths", "8", "--repeat", "2", "--out", str(tmp_path / "r.json")]) == 0
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["node_order"] == "blocks" and len(record["products"]) == 8  # 2 orders x 2 column sets x 2 products
+    assert all(row["median_s"] > 0 for row in record["products"])

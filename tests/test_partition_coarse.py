@@ -18,6 +18,7 @@ import pytest
 
 import bnsgcn.partition.coarse as coarse_module
 import bnsgcn.partition.datasets as datasets_module
+import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
 from bnsgcn.errors import UserError
@@ -214,6 +215,14 @@ def out_of_memory_in_partitioner(monkeypatch) -> None:
     monkeypatch.setattr(partitioner_module, "coarse_assignment", fail)
 
 
+def out_of_memory_in_node_order(monkeypatch) -> None:
+    def fail(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(order_module, "BLOCK_NODES", 50)  # several blocks per partition of SPEC
+    monkeypatch.setattr(order_module, "_inner_degrees", fail)
+
+
 def out_of_memory_in_loader(monkeypatch) -> None:
     def fail(*args):
         raise MemoryError
@@ -225,6 +234,7 @@ def out_of_memory_in_loader(monkeypatch) -> None:
     (out_of_memory_in_writer, "writing partitions", "an allocation failed; it needs about"),
     (out_of_memory_in_partitioner, "partitioning 400 nodes into 2 parts (coarse)", "allocating 8192.0 GiB failed; it needs about"),
     (out_of_memory_in_loader, f"loading {SPEC}", "an allocation failed; "),
+    (out_of_memory_in_node_order, "ordering nodes into blocks", "an allocation failed; it needs about"),
 ])
 def test_out_of_memory_is_one_line_naming_the_phase_and_leaves_nothing(tmp_path, capsys, monkeypatch, where, phase, detail):
     where(monkeypatch)
