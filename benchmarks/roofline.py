@@ -18,7 +18,10 @@ One invocation, on the machine it runs on:
      each summed into one accumulator row that stays in cache (so only the gathered bytes
      move), two rows per pass with the row eight entries ahead prefetched, as the engine's
      sparse product does; as many rows as that rank's adjacency has entries; for each
-     width w the model aggregates.
+     width w the model aggregates. A partition in block order (``bnsgcn-partition
+     --node-order blocks``, the default) reads many of its rows from the cache instead,
+     so its sparse products can run below this floor (docs/benchmarks.md, "Nodes
+     numbered in blocks").
    * Copy bandwidth :math:`B` in bytes/s: a 256 MiB ``copy_``, bytes read + written
      (:func:`benchmarks.kernels.copy_bandwidth`).
 
