@@ -36,7 +36,7 @@ from bnsgcn.progress import Progress
 from .coarse import LP_ROUNDS, _label_propagation, metis_bytes
 from .graph import Graph
 from .partitioner import available_memory, metis_parts
-from .writer import inner_order
+from .writer import inner_order, part_sizes
 
 ORDERS = ("blocks", "ids")  # --node-order: blocks of neighbours (default), or ascending global id
 BLOCK_NODES = 400  # nodes per block: 400 rows of 128 floats are 200 KiB, well inside a core's L2
@@ -110,6 +110,5 @@ def order_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
     it runs only where that fits): the ``N``-sized arrays (owner order and its sort keys,
     local index, position) and the largest partition's inner subgraph (int32 entries, and
     the int64 copy METIS is given; at most its in-edges)."""
-    sizes = np.bincount(assignment, minlength=parts)
-    in_edges = np.bincount(assignment, weights=graph.in_degree(), minlength=parts)
+    sizes, in_edges = part_sizes(graph, assignment, parts)
     return int(40 * graph.num_nodes + (12 * in_edges + 24 * sizes).max())

@@ -135,12 +135,17 @@ def _request(partitioner: dict) -> dict:
 WRITER_BYTES_PER_NODE = 64  # owner order and its sort keys, local index, boundary column, degree, flags, assignment
 
 
+def part_sizes(graph: Graph, assignment: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each partition's inner nodes and their in-edges (float64 [K] each), for memory estimates."""
+    return (np.bincount(assignment, minlength=parts).astype(np.float64),
+            np.bincount(assignment, weights=graph.in_degree(), minlength=parts))
+
+
 def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
     """Estimated peak memory of :func:`write_partition_set` beyond the graph: the ``N``-sized
     arrays plus the largest partition's adjacency (int32 entries, int64 row pointer), features
     and node data."""
-    sizes = np.bincount(assignment, minlength=parts)
-    in_edges = np.bincount(assignment, weights=graph.in_degree(), minlength=parts)
+    sizes, in_edges = part_sizes(graph, assignment, parts)
     row_bytes = 4 * graph.features.shape[1] + 8 + 8 + 3 + graph.labels.itemsize * (graph.labels.size // max(1, graph.num_nodes))
     per_part = 4 * (in_edges + sizes) + row_bytes * sizes
     return int(WRITER_BYTES_PER_NODE * graph.num_nodes + per_part.max())
