@@ -57,7 +57,7 @@ def in_id_order(topology: Topology, inner_ids: np.ndarray, boundary_ids: np.ndar
                    degree=topology.degree[torch.from_numpy(old_of_new)])
 
 
-def time_products(graphs: dict[str, ShardGraph], width: int, repeat: int) -> dict:
+def time_products(graphs: dict[str, ShardGraph], width: int, repeat: int) -> list[dict]:
     """Median and minimum seconds of each product of each numbering, the numberings taking turns."""
     kernels = backend.kernel_backend(torch.device("cpu"))
     generator = torch.Generator().manual_seed(width)
