@@ -27,9 +27,9 @@ import math
 import torch
 from torch import Tensor
 
+from .config import WIRE_FORMATS as FORMATS
 from .kernels import kernel_backend
 
-FORMATS = ("none", "fp16", "bf16", "int8", "int4")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"int8": 8, "int4": 4}
 _HEADER_BYTES = 4  # lo and step, bfloat16 each

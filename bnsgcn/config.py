@@ -1,4 +1,9 @@
-"""Training configuration: one dataclass, its command-line flags and their validation."""
+"""Training configuration: one dataclass, its command-line flags and their validation.
+
+Imports no torch: ``bnsgcn-train``'s launcher reads and checks the flags with this module
+before it starts any rank, and importing torch would add about 2 s to every job's start and
+to every refused flag.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .compress import FORMATS as WIRE_FORMATS
 from .device import DEVICES
 from . import straggler
-from .lag import check_config as check_max_lag
 from .errors import UserError
 
 MODELS = ("graphsage", "gat", "gcn")
+WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.compress encodes
 EXCHANGES = ("direct", "hierarchical", "auto")
 NORMS = ("layer", "batch", "none")
 
@@ -227,7 +231,7 @@ def validate(c: TrainConfig) -> None:
         if c.staleness != 1:
             raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
     straggler.check_config(c.p, c.staleness, straggler.parse_sync(c.sync), c.norm)
-    check_max_lag(c)
+    _check_max_lag(c)
     if c.work_pool:
         straggler.check_work_pool(c.p, c.staleness, c.norm, c.inductive)
     straggler.parse_delays(c.inject_delay)
@@ -237,3 +241,21 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"--threads {c.threads} must be a positive integer")
     if c.use_precompute and c.model == "gat":
         raise UserError("--precompute is not exact for gat (attention depends on the weights); drop --precompute")
+
+
+def _check_max_lag(c: TrainConfig) -> None:
+    """What ``--max-lag`` (:mod:`bnsgcn.lag`) needs, in one line each."""
+    if c.max_lag is None:
+        return
+    if c.max_lag < 1:
+        raise UserError(f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)")
+    if c.staleness != 1:
+        raise UserError("--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag")
+    if c.exchange == "hierarchical":
+        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag")
+
+
+def check_pool_size(num_parts: int, world: int, parts_dir: Path | str) -> None:
+    """``--work-pool`` needs at least one partition per rank."""
+    if num_parts < world:
+        raise UserError(f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into at least {world} parts (more than ranks lets fast ranks take more)")

@@ -95,7 +95,7 @@ from torch import Tensor
 
 from .comm import Comm
 from .compress import WireFormat
-from .errors import PeerLost, UserError, peer_lost_message
+from .errors import PeerLost, peer_lost_message
 from .exchange import BoundaryExchange, ExchangePlan, InFlightRows
 from .hierarchy import resolve_mode
 from .sampler import sample_boundary
@@ -108,18 +108,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 TAG = 16
 FOREVER = timedelta(days=365)  # the threads' waits: the training loop's are bounded instead
 SAMPLES_KEPT = 512  # samples drawn for other ranks and for this one, most recently used kept
-
-
-def check_config(c) -> None:
-    """What ``--max-lag`` needs, in one line each (a :class:`bnsgcn.config.TrainConfig`)."""
-    if c.max_lag is None:
-        return
-    if c.max_lag < 1:
-        raise UserError(f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)")
-    if c.staleness != 1:
-        raise UserError("--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag")
-    if c.exchange == "hierarchical":
-        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag")
 
 
 def exchange_mode(config, comm: Comm) -> str:

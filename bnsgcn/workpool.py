@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .comm import Comm
+from .config import check_pool_size
 from .errors import UserError
 from .format import load_partition
 from .exchange import empty_plan
@@ -52,11 +53,6 @@ def pool_order(seed: int, epoch: int, num_parts: int) -> Tensor:
     """The pool's order of partition ids in ``epoch`` (int64 [K]), the same on every rank."""
     generator = torch.Generator().manual_seed(derive_seed(seed, 0, epoch, POOL_STREAM))
     return torch.randperm(num_parts, generator=generator)
-
-
-def check_pool_size(num_parts: int, world: int, parts_dir: Path | str) -> None:
-    if num_parts < world:
-        raise UserError(f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into at least {world} parts (more than ranks lets fast ranks take more)")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bnsgcn.errors import UserError
 from bnsgcn.format import MANIFEST_NAME, read_manifest
-from bnsgcn.workpool import check_pool_size
+from bnsgcn.config import check_pool_size
 
 DEFAULT_SEARCH_ROOT = Path("parts")
 

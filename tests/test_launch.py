@@ -419,6 +419,30 @@ def test_one_cpu_rank_per_partition_by_default(tmp_path, monkeypatch, clean_envi
     assert not port_in_use(int(children[0].env["MASTER_PORT"]))
 
 
+def test_cpu_ranks_and_refused_flags_cost_the_launcher_no_torch_import(tmp_path):
+    """Importing torch takes about 2 s: the launcher checks the flags, finds the set and
+    prepares CPU ranks without it (every job starts that much sooner; a refused flag answers
+    at once). Run in a fresh interpreter, as ``bnsgcn-train`` starts."""
+    make_set(tmp_path / "parts" / "two", 2)
+    probe = (
+        "import sys\n"
+        "from bnsgcn.launch import cli\n"
+        "children = cli.prepare_local_ranks(cli.build_parser().parse_args(sys.argv[1:]), sys.argv[1:])\n"
+        "assert len(children) == 2, children\n"
+        "try:\n"
+        "    cli.prepare_local_ranks(cli.build_parser().parse_args(['--lr', '-1']), ['--lr', '-1'])\n"
+        "except Exception as exc:\n"
+        "    assert str(exc).startswith('--lr -1') and 'must be positive' in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('--lr -1 was not refused')\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")}
+    done = subprocess.run([sys.executable, "-c", probe, "--procs", "2", "--compress", "int8", "--work-pool", "--p", "0"], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "torch imported: False", done.stdout
+
+
 def _capture_training(monkeypatch) -> list:
     trained = []
     monkeypatch.setattr(cli, "train", lambda config: trained.append(config) or 0)
