@@ -419,7 +419,7 @@ def test_one_cpu_rank_per_partition_by_default(tmp_path, monkeypatch, clean_envi
     assert not port_in_use(int(children[0].env["MASTER_PORT"]))
 
 
-def test_cpu_ranks_and_refused_flags_cost_the_launcher_no_torch_import(tmp_path):
+def test_cpu_ranks_and_refused_flags_cost_the_launcher_no_torch_import(tmp_path, clean_environment):
     """Importing torch takes about 2 s: the launcher checks the flags, finds the set and
     prepares CPU ranks without it (every job starts that much sooner; a refused flag answers
     at once). Run in a fresh interpreter, as ``bnsgcn-train`` starts."""
@@ -437,8 +437,7 @@ def test_cpu_ranks_and_refused_flags_cost_the_launcher_no_torch_import(tmp_path)
         "    raise AssertionError('--lr -1 was not refused')\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
-    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")}
-    done = subprocess.run([sys.executable, "-c", probe, "--procs", "2", "--compress", "int8", "--work-pool", "--p", "0"], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe, "--procs", "2", "--compress", "int8", "--work-pool", "--p", "0"], cwd=tmp_path, env=clean_environment, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "torch imported: False", done.stdout
 
