@@ -235,8 +235,21 @@ def _merge(path: Path, document: dict) -> dict:
         for section in ("runs", "spmm"):
             fresh = {key(r) for r in document[section]}
             document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document[section]
-        document["graphs"] = old.get("graphs", {}) | document["graphs"]
+        # a set partitioned by an earlier call keeps that call's description of its source
+        fresh_graphs = {g: info for g, info in document["graphs"].items() if info["source"] != "reused" or g not in old.get("graphs", {})}
+        document["graphs"] = old.get("graphs", {}) | fresh_graphs
     return document
+
+
+def save(results: Path, stem: str, document: dict) -> str:
+    """Write ``RESULTS/stem.json`` and ``.md`` with this call's results so far (after every
+    measurement: a call stopped part way keeps what it measured)."""
+    results.mkdir(parents=True, exist_ok=True)
+    document = _merge(results / f"{stem}.json", document)
+    (results / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
+    text = render(document)
+    (results / f"{stem}.md").write_text(text)
+    return text
 
 
 def _mib(value) -> str:
@@ -307,32 +320,32 @@ def main(argv: list[str] | None = None) -> int:
     info = machine() | {"device": args.device, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                         "copy_bandwidth_gb_s": copy_bps / 1e9, "cuda": torch.version.cuda}
     document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": []}
+    stem = "gpu-quick" if args.quick else "gpu"
     for graph in graphs:
         log(f"{graph}: partition set")
         parts, source, error = prepare_graph(graph, args.work, args.reference_tool)
         document["graphs"][graph] = {"source": source, "error": error}
         if error:
             log(f"{graph}: could not be prepared: {error}")
+            save(args.results, stem, document)
             continue
         for model in args.models.split(","):
             log(f"{graph} {model}: bnsgcn")
             document["runs"].append({"graph": graph, "model": model} | run_engine(parts, model, args.device, epochs, args.work, args.threads))
+            save(args.results, stem, document)
             if not args.skip_pyg:
                 for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
                     log(f"{graph} {model}: pyg {variant}")
                     document["runs"].append({"graph": graph, "model": model} | run_pyg(parts, model, variant, args.device, epochs, args.threads))
+                    save(args.results, stem, document)
         log(f"{graph}: sparse products")
         widths = sorted({128, int(load_partition(parts, 0)["features"].shape[1])})
         try:
             document["spmm"] += [{"graph": graph} | row for row in spmm_bandwidth(parts, device, widths, repeats, copy_bps)]
         except torch.OutOfMemoryError as exc:
             document["graphs"][graph]["spmm_error"] = f"out of memory: {exc}"[:300]
-    stem = "gpu-quick" if args.quick else "gpu"
-    args.results.mkdir(parents=True, exist_ok=True)
-    document = _merge(args.results / f"{stem}.json", document)
-    (args.results / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
-    (args.results / f"{stem}.md").write_text(render(document))
-    print(render(document))
+        save(args.results, stem, document)
+    print((args.results / f"{stem}.md").read_text())
     return 0
 
 

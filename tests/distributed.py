@@ -93,7 +93,9 @@ def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[in
     # A forked rank inherits the forkserver's environment, not the test's (monkeypatch.setenv)
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), GROUP_RANK=str(nodes[rank]))
+    # LOCAL_WORLD_SIZE as the launcher, torchrun and SLURM set it: --device auto decides by it
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])), GROUP_RANK=str(nodes[rank]))
     torch.set_num_threads(1)
     from bnsgcn.train import run
 

@@ -139,7 +139,9 @@ def instrument_cuda_syncs():
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message)
-        if recording[0] and "synchroniz" in text:
+        # torch's words for a synchronising operation (not its notice that the debug mode
+        # is a prototype, given when the mode is switched on)
+        if recording[0] and "called a synchronizing CUDA operation" in text:
             frame = sys._getframe(1)
             while frame is not None and _site(frame) is None:
                 frame = frame.f_back

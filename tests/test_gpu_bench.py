@@ -48,3 +48,24 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
 def test_cuda_without_a_gpu_is_one_line():
     done = _bench("--device", "cuda")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU"]
+
+
+def test_every_measurement_is_saved_and_later_calls_merge(tmp_path):
+    """A call writes its results after each measurement; a later call replaces what it measured
+    again, keeps the rest, and keeps the description of a partition set it reused."""
+    from benchmarks.gpu import save
+
+    machine = {"device": "cuda", "device_name": "GPU", "torch": "x", "copy_bandwidth_gb_s": 1000.0}
+
+    def run(model: str, seconds: float) -> dict:
+        return {"graph": "reference", "model": model, "impl": "bnsgcn", "epoch_time_s": seconds}
+
+    first = {"machine": machine, "graphs": {"reference": {"source": "make_reference_graph.py", "error": None}}, "runs": [run("graphsage", 1.0)], "spmm": []}
+    save(tmp_path, "gpu", first)
+    assert [r["epoch_time_s"] for r in json.loads((tmp_path / "gpu.json").read_text())["runs"]] == [1.0]
+    second = {"machine": machine, "graphs": {"reference": {"source": "reused", "error": None}}, "runs": [run("gat", 3.0), run("graphsage", 2.0)], "spmm": []}
+    save(tmp_path, "gpu", second)
+    document = json.loads((tmp_path / "gpu.json").read_text())
+    assert document["graphs"]["reference"]["source"] == "make_reference_graph.py"
+    assert sorted((r["model"], r["epoch_time_s"]) for r in document["runs"]) == [("gat", 3.0), ("graphsage", 2.0)]
+    assert "| reference | gat | bnsgcn | 3.0000 |" in (tmp_path / "gpu.md").read_text()

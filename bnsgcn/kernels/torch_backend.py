@@ -22,6 +22,8 @@ def _csr_tensor(indptr: Tensor, indices: Tensor, values: Tensor, shape: tuple[in
     index_dtype = torch.int32 if indices.dtype == torch.int32 and indices.numel() <= _INT32_MAX else torch.int64
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        # the arrays come from Adjacency, valid by construction; torch 2.11 warns they go unchecked
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
         return torch.sparse_csr_tensor(
             indptr.to(index_dtype), indices.to(index_dtype), values, size=shape, check_invariants=False
         )
