@@ -72,13 +72,18 @@ def graph_with_island(out: Path) -> Path:
 
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: ports picked ahead of a run must not
-    be taken meanwhile by the outgoing connections (ephemeral ports) of earlier runs' ranks."""
+    be taken meanwhile by the outgoing connections (ephemeral ports) of earlier runs' ranks.
+    Under pytest-xdist each worker picks from a slice of its own, so two workers never pick
+    the same port between its check here and its rank 0 listening on it."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
             ephemeral_low = int(handle.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    for port in random.Random().sample(range(10000, max(ephemeral_low, 10001)), 200):
+    ports = range(10000, max(ephemeral_low, 10001))
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    ports = ports[int(worker.removeprefix("gw")) :: workers]
+    for port in random.Random().sample(ports, min(200, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
