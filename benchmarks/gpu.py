@@ -15,7 +15,9 @@ For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,96
   time (CUDA events, median of repeats) and the bytes they must touch (CSR arrays once,
   ``X`` read once, ``Y`` written once) over the time, as a fraction of the device's copy
   bandwidth measured here (``copy_`` of a large buffer: read + write bytes / time); also
-  the fraction with every edge's row gathered (the bytes with no cache reuse).
+  the fraction with every edge's row gathered (the bytes with no cache reuse);
+* one layer's aggregation per model (``A X`` at width 128; GAT's attention over 4 heads x
+  32), forward and backward, under torch's profiler: its time and largest operations.
 
 Results go to ``RESULTS/gpu.json`` (merged by graph, model and implementation, so graphs can
 run in separate calls) and ``RESULTS/gpu.md``. On a GPU machine::
@@ -198,17 +200,23 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / median_time(lambda: dst.copy_(src), device, repeats)
 
 
-def spmm_bandwidth(parts: Path, device: torch.device, widths: list[int], repeats: int, copy_bps: float) -> list[dict]:
-    """The engine's sparse products on the whole graph, GraphSAGE-normalised, against ``copy_bps``."""
+def whole_graph_adjacency(parts: Path, device: torch.device):
+    """The whole graph's :class:`~bnsgcn.kernels.Adjacency` on ``device``, GraphSAGE-normalised (mean)."""
     from benchmarks.fullgraph import load_full_graph
-    from bnsgcn.kernels import Adjacency, kernel_backend
+    from bnsgcn.kernels import Adjacency
 
     graph = load_full_graph(parts)
     degree = graph.indptr.diff().to(torch.float32)
     values = 1.0 / torch.repeat_interleave(degree, graph.indptr.diff())
-    adj = Adjacency.from_csr(graph.indptr, graph.indices, graph.num_nodes, values).to(device)
+    return Adjacency.from_csr(graph.indptr, graph.indices, graph.num_nodes, values).to(device)
+
+
+def spmm_bandwidth(adj, device: torch.device, widths: list[int], repeats: int, copy_bps: float) -> list[dict]:
+    """The engine's sparse products over ``adj`` (:func:`whole_graph_adjacency`) against ``copy_bps``."""
+    from bnsgcn.kernels import kernel_backend
+
     backend = kernel_backend(device)
-    n, nnz = graph.num_nodes, adj.nnz
+    n, nnz = adj.n_rows, adj.nnz
     csr_bytes = (n + 1) * 8 + nnz * (adj.indices.element_size() + 4)
     rows = []
     for width in widths:
@@ -226,15 +234,47 @@ def spmm_bandwidth(parts: Path, device: torch.device, widths: list[int], repeats
     return rows
 
 
+def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) -> dict:
+    """One layer's aggregation, forward and backward, under torch's profiler: milliseconds
+    per call in all and the ``top`` operations by their own time (device time on CUDA).
+    GraphSAGE: ``A X`` at width 128; GAT: attention over ``H x D`` of the suite's sizes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bnsgcn.kernels import gat_aggregate, spmm
+
+    n, sizes = adj.n_rows, MODELS[model]
+    if model == "gat":
+        heads, width = sizes["heads"], sizes["hidden"]
+        x = torch.randn(n, heads, width, device=device, requires_grad=True)
+        src, dst = (torch.randn(n, heads, device=device, requires_grad=True) for _ in range(2))
+        step = lambda: gat_aggregate(adj, x, src, dst).sum().backward()  # noqa: E731
+    else:
+        x = torch.randn(n, sizes["hidden"], device=device, requires_grad=True)
+        step = lambda: spmm(adj, x).sum().backward()  # noqa: E731
+    calls = 2
+    step()  # warm-up: cuSPARSE handles, the allocator
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(calls):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if own(e) > 0), key=own, reverse=True)
+    total_us = sum(own(e) for e in events)
+    return {"model": model, "nodes": n, "nnz": adj.nnz, "ms_per_call": total_us / calls / 1e3, "clock": "device" if cuda else "host",
+            "ops": [{"name": e.key, "calls": e.count // calls, "ms_per_call": own(e) / calls / 1e3} for e in events[:top]]}
+
+
 # ----------------------------------------------------------------------------- output
 def _merge(path: Path, document: dict) -> dict:
     """Add this call's results to those already in ``path`` (same graph/model/impl replaced)."""
     if path.is_file():
         old = json.loads(path.read_text())
         key = lambda r: (r.get("graph"), r.get("model"), r.get("impl"), r.get("variant"), r.get("product"), r.get("width"))  # noqa: E731
-        for section in ("runs", "spmm"):
-            fresh = {key(r) for r in document[section]}
-            document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document[section]
+        for section in ("runs", "spmm", "profiles"):
+            fresh = {key(r) for r in document.get(section, [])}
+            document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document.get(section, [])
         # a set partitioned by an earlier call keeps that call's description of its source
         fresh_graphs = {g: info for g, info in document["graphs"].items() if info["source"] != "reused" or g not in old.get("graphs", {})}
         document["graphs"] = old.get("graphs", {}) | fresh_graphs
@@ -283,6 +323,10 @@ def render(document: dict) -> str:
     for row in document["spmm"]:
         lines.append(f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} | {row['achieved_bytes_per_s'] / 1e9:.0f} | "
                      f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |")
+    for profile in document.get("profiles", []):
+        lines += ["", f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, {profile['ms_per_call']:.2f} ms "
+                  f"({profile['clock']} time); its largest operations:", "", "| operation | calls | ms |", "|---|---|---|"]
+        lines += [f"| `{op['name']}` | {op['calls']} | {op['ms_per_call']:.3f} |" for op in profile["ops"]]
     return "\n".join(lines) + "\n"
 
 
@@ -319,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bps = copy_bandwidth(device, (16 if args.quick else 1024) * 2**20, repeats)
     info = machine() | {"device": args.device, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                         "copy_bandwidth_gb_s": copy_bps / 1e9, "cuda": torch.version.cuda}
-    document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": []}
+    document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": [], "profiles": []}
     stem = "gpu-quick" if args.quick else "gpu"
     for graph in graphs:
         log(f"{graph}: partition set")
@@ -341,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{graph}: sparse products")
         widths = sorted({128, int(load_partition(parts, 0)["features"].shape[1])})
         try:
-            document["spmm"] += [{"graph": graph} | row for row in spmm_bandwidth(parts, device, widths, repeats, copy_bps)]
+            adj = whole_graph_adjacency(parts, device)
+            document["spmm"] += [{"graph": graph} | row for row in spmm_bandwidth(adj, device, widths, repeats, copy_bps)]
+            for model in args.models.split(","):
+                log(f"{graph} {model}: profile of one layer's aggregation")
+                document["profiles"].append({"graph": graph} | profile_aggregation(adj, device, model))
+            del adj
         except torch.OutOfMemoryError as exc:
             document["graphs"][graph]["spmm_error"] = f"out of memory: {exc}"[:300]
         save(args.results, stem, document)

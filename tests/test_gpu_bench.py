@@ -40,7 +40,13 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
     for row in document["spmm"]:
         assert row["seconds"] > 0 and row["bytes_compulsory"] < row["bytes_gathered"]
         assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["bytes_compulsory"] / row["seconds"] / (document["machine"]["copy_bandwidth_gb_s"] * 1e9))
+    profiles = {r["model"]: r for r in document["profiles"]}
+    assert set(profiles) == {"graphsage", "gat"}
+    for model, profile in profiles.items():
+        assert profile["clock"] == "host" and profile["ms_per_call"] > 0 and profile["ops"], model
+        assert sum(op["ms_per_call"] for op in profile["ops"]) <= profile["ms_per_call"] * (1 + 1e-9), model
     table = (tmp_path / "gpu-quick.md").read_text()
+    assert "quick, gat: one layer's aggregation" in table
     assert "| quick | graphsage | bnsgcn |" in table and "| quick | A X | 128 |" in table and "Device: cpu" in table
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,10 +73,18 @@ def test_the_warm_up_compiles_every_kernel_signature_training_calls(parts, tmp_p
 def test_a_job_without_the_stamp_compiles_in_one_process_first_and_the_next_job_not_at_all(parts, tmp_path):
     from bnsgcn.kernels import warmup
 
-    stamp = warmup.stamp_path()
-    assert stamp is not None, "numba has no writable cache directory here"
-    stamp.unlink(missing_ok=True)  # as after an upgrade: the cache may hold the kernels, the stamp is gone
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and k != "BNSGCN_KERNELS"}
+    shared = warmup.stamp_path()
+    assert shared is not None, "numba has no writable cache directory here"
+    # The jobs get a cache of their own, holding the kernels but not the stamp (as after an
+    # upgrade): jobs of other tests running meanwhile (pytest-xdist) would write the stamp
+    # into the shared one.
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and k != "BNSGCN_KERNELS"} | {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    where = subprocess.run([sys.executable, "-c", "from bnsgcn.kernels import warmup; print(warmup.stamp_path())"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
+    stamp = Path(where.stdout.strip().splitlines()[-1])
+    assert stamp.parent != shared.parent
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    for cached in shared.parent.glob("*.nb[ic]"):
+        shutil.copy2(cached, stamp.parent / cached.name)
     argv = [*TRAIN, "--procs", "2", "--parts-dir", str(parts), "--threads", "1", "--epochs", "1", "--model", "gcn", "--layers", "2", "--hidden", "8", "--p", "0.5"]
     first = subprocess.run([*argv, "--out", str(tmp_path / "first")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
