@@ -281,15 +281,16 @@ def _merge(path: Path, document: dict) -> dict:
     return document
 
 
-def save(results: Path, stem: str, document: dict) -> str:
+def save(results: Path, stem: str, document: dict) -> None:
     """Write ``RESULTS/stem.json`` and ``.md`` with this call's results so far (after every
-    measurement: a call stopped part way keeps what it measured)."""
+    measurement: a call stopped part way keeps what it measured). Each file is written
+    beside and renamed into place: a call killed while writing leaves the last whole one."""
     results.mkdir(parents=True, exist_ok=True)
     document = _merge(results / f"{stem}.json", document)
-    (results / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
-    text = render(document)
-    (results / f"{stem}.md").write_text(text)
-    return text
+    for name, text in ((f"{stem}.json", json.dumps(document, indent=1) + "\n"), (f"{stem}.md", render(document))):
+        partial = results / f"{name}.tmp"
+        partial.write_text(text)
+        os.replace(partial, results / name)
 
 
 def _mib(value) -> str:
