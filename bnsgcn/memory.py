@@ -21,8 +21,10 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the report (bnsgcn-report) reads HOLDERS without importing torch
+    import torch
 
 # glibc's mallopt parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -64,6 +66,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor an optimizer keeps per parameter (Adam: step, exp_avg, exp_avg_sq)."""
+    import torch  # loaded already: an optimizer exists
+
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 

@@ -20,11 +20,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UserError
 from .memory import HOLDERS
+
+if TYPE_CHECKING:
+    import torch
 
 REPORT_NAME = "report.json"
 PLOTS_HINT = "figures need matplotlib: pip install bnsgcn[plots]"
@@ -83,6 +85,8 @@ def steady_state(tables: list[torch.Tensor], warmup: int = WARMUP_EPOCHS) -> tup
     """Per rank and figure, the median over the steady epochs of ``tables`` (one float64
     [world, columns] per epoch run): the first ``min(warmup, epochs - 1)`` epochs are left
     out (a run of one epoch keeps it). Returns the medians and what they cover."""
+    import torch  # here: bnsgcn-report only reads report.json, and torch takes seconds to import
+
     left_out = max(min(warmup, len(tables) - 1), 0)
     steady = tables[left_out:]
     medians = torch.stack(steady).quantile(0.5, dim=0) if steady else torch.zeros(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -133,6 +134,24 @@ def test_without_matplotlib_the_hint_comes_once(tmp_path, capsys, monkeypatch):
         assert not list(tmp_path.iterdir())
     finally:
         report._hint_plots.cache_clear()
+
+
+def test_the_cli_reads_runs_without_importing_torch(tmp_path):
+    """``bnsgcn-report`` reads report.json: in a fresh interpreter, as the command starts,
+    showing and comparing runs imports no torch (about 2 s)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    report.write(run, _hand_report(), figures=False)
+    probe = (
+        "import sys\n"
+        "from bnsgcn import report\n"
+        "assert report.main(sys.argv[1:2]) == 0 and report.main(sys.argv[1:3]) == 0\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(run), str(run)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "torch imported: False" and any(line.startswith("peak memory (MiB)") for line in lines), done.stdout
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"ranks": []}'])
