@@ -236,8 +236,10 @@ def spmm_bandwidth(adj, device: torch.device, widths: list[int], repeats: int, c
 
 def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) -> dict:
     """One layer's aggregation, forward and backward, under torch's profiler: milliseconds
-    per call in all and the ``top`` operations by their own time (device time on CUDA).
+    per call in all and the ``top`` operations by their own time (on CUDA: the kernels and
+    copies, by device time).
     GraphSAGE: ``A X`` at width 128; GAT: attention over ``H x D`` of the suite's sizes."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from bnsgcn.kernels import gat_aggregate, spmm
@@ -259,8 +261,12 @@ def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) ->
             step()
         if cuda:
             torch.cuda.synchronize(device)
+    # On CUDA the device's own events (kernels, copies) alone: an operator's device time is
+    # that of its kernels, listed too, so counting both would count it twice (torch's own
+    # table totals them so).
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    events = sorted((e for e in prof.key_averages() if own(e) > 0), key=own, reverse=True)
+    timed = (e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA)
+    events = sorted((e for e in timed if own(e) > 0), key=own, reverse=True)
     total_us = sum(own(e) for e in events)
     return {"model": model, "nodes": n, "nnz": adj.nnz, "ms_per_call": total_us / calls / 1e3, "clock": "device" if cuda else "host",
             "ops": [{"name": e.key, "calls": e.count // calls, "ms_per_call": own(e) / calls / 1e3} for e in events[:top]]}
