@@ -303,6 +303,13 @@ def _mib(value) -> str:
     return "-" if value is None else f"{value / 2**20:.0f}"
 
 
+def _short(kernel: str, width: int = 110) -> str:
+    """A CUDA kernel's name without ``void`` and cut to ``width`` (the JSON keeps it whole):
+    a templated kernel's full signature runs to a thousand characters."""
+    kernel = kernel.removeprefix("void ")
+    return kernel if len(kernel) <= width else kernel[: width - 3] + "..."
+
+
 def render(document: dict) -> str:
     m = document["machine"]
     lines = [
@@ -332,8 +339,9 @@ def render(document: dict) -> str:
                      f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |")
     for profile in document.get("profiles", []):
         lines += ["", f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, {profile['ms_per_call']:.2f} ms "
-                  f"({profile['clock']} time); its largest operations:", "", "| operation | calls | ms |", "|---|---|---|"]
-        lines += [f"| `{op['name']}` | {op['calls']} | {op['ms_per_call']:.3f} |" for op in profile["ops"]]
+                  f"({profile['clock']} time){' (' + profile['note'] + ')' if profile.get('note') else ''}; its largest operations:",
+                  "", "| operation | calls | ms |", "|---|---|---|"]
+        lines += [f"| `{_short(op['name'])}` | {op['calls']} | {op['ms_per_call']:.3f} |" for op in profile["ops"]]
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,9 @@ def job_env() -> dict[str, str]:
 def start(command: list[str], cwd: Path, name: str) -> subprocess.Popen:
     """Start ``command`` in its own process group; its output goes to ``cwd/name.out|err``."""
     with open(cwd / f"{name}.out", "w") as stdout, open(cwd / f"{name}.err", "w") as stderr:
-        return subprocess.Popen(command, cwd=cwd, env=job_env(), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+        job = subprocess.Popen(command, cwd=cwd, env=job_env(), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+    job.stderr_path = cwd / f"{name}.err"  # for failure messages: why a job ended early
+    return job
 
 
 def stderr_of(cwd: Path, name: str) -> str:
@@ -86,7 +88,9 @@ def wait_for(condition: Callable[[], bool], job: subprocess.Popen, timeout_s: fl
     """Poll ``condition`` until it holds; fail if ``job`` ends first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert job.poll() is None, f"the job ended (status {job.returncode}) before {what}"
+        if job.poll() is not None:
+            tail = "\n".join(job.stderr_path.read_text().splitlines()[-15:])
+            raise AssertionError(f"the job ended (status {job.returncode}) before {what}; its stderr ends:\n{tail}")
         assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
         time.sleep(0.02)
 

@@ -123,9 +123,11 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
 
 def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
     parts = partition(random_graph(num_nodes=80, avg_degree=4, seed=2), 2, tmp_path / "parts")
-    config = lambda name: TrainConfig(parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, out=tmp_path / name)  # noqa: E731
+    config = lambda name: TrainConfig(parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name)  # noqa: E731
     run_ranks(2, [config("one-node")])
-    run_ranks(2, [config("two-nodes")], nodes=[0, 1])  # one rank per node: nothing to relay
+    # one rank per node: nothing to relay. On CPU: emulated nodes share this machine's GPUs,
+    # so --device auto would put both ranks on GPU 0.
+    run_ranks(2, [config("two-nodes")], nodes=[0, 1])
     for name in ("one-node", "two-nodes"):
         resolved = json.loads((tmp_path / name / "config.json").read_text())
         assert resolved["exchange"] == "direct"

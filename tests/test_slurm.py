@@ -130,9 +130,10 @@ def test_stop_signal_checkpoints_every_rank_and_a_requeued_job_resumes(tmp_path,
 
 def test_master_that_never_answers_fails_after_the_timeout_with_one_line(tmp_path, parts):
     port = free_port()  # nobody listens there
+    # --device cpu: on a machine with one GPU, --device auto would refuse rank 1 (LOCAL_RANK 1) first
     env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    done = subprocess.run([*TRAIN, "--parts-dir", str(parts), "--out", str(tmp_path / "run"), *FLAGS, "--timeout", "3"], env=env, capture_output=True, text=True, timeout=STEP_S)
+    done = subprocess.run([*TRAIN, "--parts-dir", str(parts), "--out", str(tmp_path / "run"), *FLAGS, "--device", "cpu", "--timeout", "3"], env=env, capture_output=True, text=True, timeout=STEP_S)
     elapsed = time.monotonic() - start
     assert done.returncode == 4
     assert done.stderr.strip().splitlines() == [
