@@ -396,14 +396,24 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     # peer addresses: a prefix per attempt keeps the attempts apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"bnsgcn/attempt-{attempt}/", store)
-    dist.init_process_group(
-        backend=backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
-        device_id=torch_device if backend == "nccl" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+            device_id=torch_device if backend == "nccl" else None,
+        )
+    except dist.DistBackendError as exc:
+        shared = next((line.strip() for line in str(exc).splitlines() if "Duplicate GPU" in line), None)
+        if shared is None:
+            raise
+        # e.g. two launchers on one machine, each numbering its ranks' GPUs from 0
+        raise UserError(
+            f"rank {rank} shares its GPU with another rank of the job (NCCL: {shared}); give every rank of a machine "
+            "its own LOCAL_RANK (one launcher per machine, or CUDA_VISIBLE_DEVICES per launcher), or train on CPU with --procs"
+        ) from None
     keys = [node_key()]
     if world_size > 1:
         keys = [None] * world_size

@@ -70,11 +70,15 @@ def graph_with_island(out: Path) -> Path:
     return out
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: ports picked ahead of a run must not
     be taken meanwhile by the outgoing connections (ephemeral ports) of earlier runs' ranks.
     Under pytest-xdist each worker picks from a slice of its own, so two workers never pick
-    the same port between its check here and its rank 0 listening on it."""
+    the same port between its check here and its rank 0 listening on it; and a worker never
+    hands out a port twice (ports picked together for consecutive runs are all free now)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
             ephemeral_low = int(handle.read().split()[0])
@@ -84,11 +88,14 @@ def free_port() -> int:
     worker, workers = os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     ports = ports[int(worker.removeprefix("gw")) :: workers]
     for port in random.Random().sample(ports, min(200, len(ports))):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError("no free port below the ephemeral range")
 

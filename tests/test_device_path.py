@@ -12,10 +12,11 @@ import torch
 
 from bnsgcn.comm import Comm
 from bnsgcn.config import TrainConfig
+from bnsgcn.errors import UserError
 from bnsgcn.kernels import Adjacency
 from bnsgcn.timing import DeviceClock
 
-from .distributed import graph_with_island, partition, random_graph, run_ranks
+from .distributed import free_port, graph_with_island, partition, random_graph, run_ranks
 from .syncs import instrument
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
@@ -167,6 +168,33 @@ def test_all_to_all_refuses_splits_nccl_would_refuse():
         comm.all_to_all(rows, [3], [3], torch.empty(3, 2, dtype=torch.float16), "control")
     with pytest.raises(RuntimeError, match="contiguous"):
         comm.all_to_all(torch.arange(6.0).view(2, 3).t(), [3], [3], torch.empty(3, 2), "control")
+
+
+@pytest.mark.parametrize("nccl_says, expected", [
+    ("NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60", UserError),
+    ("NCCL error in: NCCLUtils.cpp:93, unhandled system error", torch.distributed.DistBackendError),
+])
+def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says, expected):
+    """NCCL refuses a second rank on a GPU (two launchers on one machine, each numbering its
+    GPUs from 0): the job ends in one line naming the fix; other NCCL errors pass unchanged."""
+    from bnsgcn import comm as comm_module
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+    def refuse(**_kwargs):
+        raise torch.distributed.DistBackendError(nccl_says)
+
+    monkeypatch.setattr(comm_module.dist, "init_process_group", refuse)
+    with pytest.raises(expected) as caught:
+        comm_module.init_from_env("cpu", timeout=10.0)
+    if expected is UserError:
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("rank 0 shares its GPU with another rank")
+        assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in message and "CUDA_VISIBLE_DEVICES" in message
 
 
 @pytest.mark.parametrize("weighted", [True, False])
