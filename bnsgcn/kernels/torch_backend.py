@@ -109,34 +109,36 @@ def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     return torch.sparse.mm(a_t, y)
 
 
-def _per_head_spmm(indptr: Tensor, indices: Tensor, weights_by_head: Tensor, x: Tensor, n_rows: int) -> Tensor:
-    """``out[:, h] = W_h x[:, h]`` with ``W_h`` the CSR pattern carrying ``weights_by_head[h]``
-    (``[H, nnz]``, possibly a transposed view)."""
-    heads = weights_by_head.shape[0]
-    out = x.new_empty(n_rows, heads, x.shape[2])
-    for h in range(heads):
-        w_h = _csr_tensor(indptr, indices, weights_by_head[h].contiguous(), (n_rows, x.shape[0]))
-        out[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
-    return out
+def _head_column(values: Tensor, h: int, index: Tensor | None = None) -> Tensor:
+    """``values[:, h]``, or ``values[index, h]``, as a contiguous 1-D tensor.
 
-
-def _gather_by_head(values: Tensor, index: Tensor) -> Tensor:
-    """``values[index].t()`` for per-head values ``[n, H]``: ``[H, len(index)]``, one head at a time.
-
-    On CUDA torch gathers whole rows with one thread block per index; a row of 4-8 heads is
-    16-32 bytes, so most of each block idles: on an H100 that took 69 ms per gather of 114M
-    entries, 86% of a GAT layer's time. Gathering one head (4 bytes per entry) at a time takes
-    the elementwise kernel instead.
+    One head at a time, not ``values[index]`` whole: on CUDA torch gathers rows with one
+    thread block per index, and a row of 4-8 heads (16-32 bytes) leaves most of each block
+    idle; on an H100 that took 69 ms per gather of 114M entries, 86% of a GAT layer's time.
+    A one-column gather takes the elementwise kernel, one thread per entry.
     """
-    by_head = values.new_empty(values.shape[1], index.numel())
-    for h in range(values.shape[1]):
-        torch.index_select(values[:, h].contiguous(), 0, index, out=by_head[h])
-    return by_head
+    column = values[:, h].contiguous()
+    return column if index is None else torch.index_select(column, 0, index)
 
 
 def _gather_entries(values: Tensor, index: Tensor) -> Tensor:
-    """``values[index]`` for per-head values ``[n, H]``: ``[len(index), H]`` (see :func:`_gather_by_head`)."""
-    return _gather_by_head(values, index).t().contiguous()
+    """``values[index]`` for per-head values ``[n, H]`` -> ``[len(index), H]``, a head at a time
+    (see :func:`_head_column`; a temporary of one head's entries, not of all)."""
+    out = values.new_empty(index.numel(), values.shape[1])
+    for h in range(values.shape[1]):
+        out[:, h] = _head_column(values, h, index)
+    return out
+
+
+def _per_head_spmm(indptr: Tensor, indices: Tensor, weights: Tensor, x: Tensor, n_rows: int, order: Tensor | None = None) -> Tensor:
+    """``out[:, h] = W_h x[:, h]`` with ``W_h`` the CSR pattern carrying ``weights[order, h]``
+    (``weights`` [nnz, H]; ``order`` None: in the pattern's own order)."""
+    heads = weights.shape[1]
+    out = x.new_empty(n_rows, heads, x.shape[2])
+    for h in range(heads):
+        w_h = _csr_tensor(indptr, indices, _head_column(weights, h, order), (n_rows, x.shape[0]))
+        out[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
+    return out
 
 
 def gat_forward(
@@ -153,7 +155,7 @@ def gat_forward(
     denominator = torch.segment_reduce(p, "sum", offsets=adj.indptr, axis=0)
     # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
     alpha = p / _gather_entries(denominator.clamp_min(torch.finfo(p.dtype).tiny), rows)
-    return _per_head_spmm(adj.indptr, adj.indices, alpha.t(), x, adj.n_rows), alpha
+    return _per_head_spmm(adj.indptr, adj.indices, alpha, x, adj.n_rows), alpha
 
 
 def _sampled_dot(adj: Adjacency, dy: Tensor, x: Tensor) -> Tensor:
@@ -190,7 +192,7 @@ def gat_backward(
     d_src = torch.segment_reduce(_gather_entries(ds, adj.t_edge), "sum", offsets=adj.t_indptr, axis=0)
     dx = None
     if need_dx:
-        dx = _per_head_spmm(adj.t_indptr, adj.t_indices, _gather_by_head(alpha, adj.t_edge), dy, adj.n_cols)
+        dx = _per_head_spmm(adj.t_indptr, adj.t_indices, alpha, dy, adj.n_cols, order=adj.t_edge)
     return dx, d_src, d_dst
 
 
