@@ -84,30 +84,36 @@ class Evaluation:
             if not self.buffer_bytes:
                 keep = torch.ones(graph.topology.n_boundary, dtype=torch.bool)
                 return model(x, graph.epoch(keep, 1.0, plan, self.exchange, traffic=CATEGORY), x_agg)
-            h = self._layer(model.layers[0], x, graph, plan, x_agg)
-            for layer, norm in zip(model.layers[1:], model.norms):
-                h = model._between_layers(norm, h)  # frees the layer's output: h is rebound
-                h = self._layer(layer, h, graph, plan)
+            # each bias added where the model's forward adds it (the same sums, the same logits)
+            h = self._layer(model.layers[0], x, graph, plan, x_agg, add_bias=not model.bias_in_norm[0])
+            for i, (layer, norm) in enumerate(zip(model.layers[1:], model.norms), start=1):
+                h = model._between_layers(norm, h, model.bias_before(i))  # frees the layer's output: h is rebound
+                h = self._layer(layer, h, graph, plan, add_bias=not model.bias_in_norm[i])
             return h
         finally:
             self.exchange.release()
 
-    def _layer(self, layer: torch.nn.Module, x: Tensor, graph: ShardGraph, plan: ExchangePlan, x_agg: Tensor | None = None) -> Tensor:
-        """One layer, [n_inner, d_in] -> [n_inner, d_out], as the layer computes it."""
+    def _layer(
+        self, layer: torch.nn.Module, x: Tensor, graph: ShardGraph, plan: ExchangePlan, x_agg: Tensor | None = None, add_bias: bool = True
+    ) -> Tensor:
+        """One layer, [n_inner, d_in] -> [n_inner, d_out], as the layer computes it (its bias
+        left out without ``add_bias``)."""
         if x_agg is not None:  # the precomputed first layer exchanges nothing
-            return layer(x, None, x_agg)
+            return layer(x, None, x_agg, add_bias=add_bias)
         aggregate = lambda y: self._aggregate(graph, plan, y)  # noqa: E731
+        bias = layer.output_bias if add_bias else None
         if isinstance(layer, SAGEConv):
             if layer.cheap_to_recompute:  # multiply first: fewer columns cross
-                own, neighbour = layer.dense_products(x)
+                own, neighbour = layer.dense_products(x, add_bias)
                 return self._aggregate(graph, plan, neighbour, into=own)
-            return layer.lin_self(x).addmm_(aggregate(x), layer.lin_neigh.weight.t())
+            return F.linear(x, layer.lin_self.weight, bias).addmm_(aggregate(x), layer.lin_neigh.weight.t())
         if isinstance(layer, GCNConv):
             if layer.cheap_to_recompute:
-                return aggregate(*layer.dense_products(x)) + layer.bias
-            return F.linear(aggregate(x), layer.lin.weight, layer.bias)
+                out = aggregate(*layer.dense_products(x))
+                return out + bias if add_bias else out
+            return F.linear(aggregate(x), layer.lin.weight, bias)
         if isinstance(layer, GATConv):
-            return self._attention(layer, x, graph, plan)
+            return self._attention(layer, x, graph, plan, add_bias)
         raise TypeError(f"no sliced evaluation for {type(layer).__name__}")
 
     def _slices(self, x_inner: Tensor, plan: ExchangePlan) -> Iterator[tuple[slice, Tensor, Callable[[], Tensor]]]:
@@ -155,7 +161,7 @@ class Evaluation:
             out[..., columns] = boundary_rows()
         return out
 
-    def _attention(self, layer: GATConv, x: Tensor, graph: ShardGraph, plan: ExchangePlan) -> Tensor:
+    def _attention(self, layer: GATConv, x: Tensor, graph: ShardGraph, plan: ExchangePlan, add_bias: bool = True) -> Tensor:
         """A GAT layer (:class:`~bnsgcn.layers.GATConv`) with every boundary column, its
         aggregation in slices of each head's columns."""
         z = layer.project(x)
@@ -167,4 +173,4 @@ class Evaluation:
             z_all = torch.cat([part, boundary_rows()])
             # p = 1: every column weighs 1 (no column weights)
             out[..., columns] = gat_aggregate(graph.full, z_all, score_src, score_dst, None, layer.negative_slope)
-        return layer.combine_heads(out)
+        return layer.combine_heads(out, add_bias)

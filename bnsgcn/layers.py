@@ -61,25 +61,33 @@ class SAGEConv(nn.Module):
         self.lin_self = nn.Linear(d_in, d_out)
         self.lin_neigh = nn.Linear(d_in, d_out, bias=False)
 
-    def dense_products(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(W_s x + b, W_n x)`` [n, d_out] each, as the multiply-first forward computes them;
-        a recomputation for backward runs only this (see :func:`narrow_aggregation`).
+    @property
+    def output_bias(self) -> nn.Parameter:
+        """``b``: what ``add_bias=False`` leaves to the caller."""
+        return self.lin_self.bias
+
+    def dense_products(self, x: Tensor, add_bias: bool = True) -> tuple[Tensor, Tensor]:
+        """``(W_s x + b, W_n x)`` [n, d_out] each (``W_s x`` without ``add_bias``), as the
+        multiply-first forward computes them; a recomputation for backward runs only this
+        (see :func:`narrow_aggregation`).
 
         One GEMM with both weights stacked, [n, d_in] -> [n, 2 d_out]: backward's input
         gradient is then one GEMM into one output, not two summed (each [n, d_in])."""
         both = linear_sum(None, (x, torch.cat([self.lin_self.weight, self.lin_neigh.weight])))
         own, neighbour = both.split(self.lin_self.out_features, dim=1)
-        return own + self.lin_self.bias, neighbour.contiguous()
+        return (own + self.lin_self.bias if add_bias else own.contiguous()), neighbour.contiguous()
 
-    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
+        """``add_bias=False``: without ``+ b``, for a caller that adds it in its next pass
+        (the fused layer norm after a hidden layer)."""
         if x_agg is None and self.cheap_to_recompute:
             # the neighbour term summed into the self term's output (which linear does not
             # keep): no second output [n, d_out] to allocate, fault in and add
-            own, neighbour = self.dense_products(x)
+            own, neighbour = self.dense_products(x, add_bias)
             return aggregate(g, neighbour, self.slot, into=own)
         neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
         # the neighbour product is added inside the GEMM, into the self term's output: no pass of its own
-        return linear_sum(self.lin_self.bias, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight))
+        return linear_sum(self.lin_self.bias if add_bias else None, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight))
 
 
 class GCNConv(nn.Module):
@@ -100,15 +108,22 @@ class GCNConv(nn.Module):
         self.lin = nn.Linear(d_in, d_out, bias=False)
         self.bias = nn.Parameter(torch.zeros(d_out))
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        """``b``: what ``add_bias=False`` leaves to the caller."""
+        return self.bias
+
     def dense_products(self, x: Tensor) -> tuple[Tensor]:
         """``(W x,)`` [n, d_out]: what a multiply-first forward computes before aggregating;
         a recomputation for backward runs only this (see :func:`narrow_aggregation`)."""
         return (linear_sum(None, (x, self.lin.weight)),)
 
-    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
+        """``add_bias=False``: without ``+ b`` (see :meth:`SAGEConv.forward`)."""
         if x_agg is None and self.cheap_to_recompute:
-            return aggregate(g, *self.dense_products(x), self.slot) + self.bias
-        return linear_sum(self.bias, (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight))
+            out = aggregate(g, *self.dense_products(x), self.slot)
+            return out + self.bias if add_bias else out
+        return linear_sum(self.bias if add_bias else None, (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight))
 
 
 class GATConv(nn.Module):
@@ -138,7 +153,13 @@ class GATConv(nn.Module):
         nn.init.uniform_(self.att_src, -bound, bound)
         nn.init.uniform_(self.att_dst, -bound, bound)
 
-    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+    @property
+    def output_bias(self) -> nn.Parameter:
+        """``b``: what ``add_bias=False`` leaves to the caller."""
+        return self.bias
+
+    def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
+        """``add_bias=False``: without ``+ b`` (see :meth:`SAGEConv.forward`)."""
         assert x_agg is None, "GAT has no precomputed first layer"
         z = self.project(x)
         if self.lin.in_features < self.heads * self.d_out:
@@ -147,7 +168,7 @@ class GATConv(nn.Module):
             z_boundary = g.boundary_rows(z, self.slot)
         z_all = torch.cat([z, z_boundary])
         out = gat_aggregate(g.full, z_all, self.source_scores(z_all), self.target_scores(z), g.column_weight, self.negative_slope)
-        return self.combine_heads(out)
+        return self.combine_heads(out, add_bias)
 
     def project(self, x: Tensor) -> Tensor:
         """``z = W x`` per head: [n, d_in] -> [n, heads, d_out]."""
@@ -161,8 +182,8 @@ class GATConv(nn.Module):
         """``a_d^T z_v`` per head: [n, heads, d_out] -> [n, heads]."""
         return (z * self.att_dst).sum(-1)
 
-    def combine_heads(self, out: Tensor) -> Tensor:
+    def combine_heads(self, out: Tensor, add_bias: bool = True) -> Tensor:
         """The heads' aggregations [n, heads, d_out] concatenated ([n, heads * d_out]) or
-        averaged ([n, d_out]), plus the bias."""
+        averaged ([n, d_out]), plus the bias (with ``add_bias``)."""
         out = out.reshape(out.shape[0], -1) if self.concat else out.mean(1)
-        return out + self.bias
+        return out + self.bias if add_bias else out

@@ -92,6 +92,10 @@ class GNN(nn.Module):
     cross the network once per layer and direction, as without ``remat``.
     ``kept_for_recompute`` lists the segment inputs of the last training pass (the memory
     report counts them as saved activations).
+
+    A hidden layer followed by the fused layer norm + ReLU leaves its bias to that step
+    (``bias_in_norm``; :func:`~bnsgcn.kernels.layer_norm_relu_dropout`'s ``shift``): the
+    layer returns ``W x`` terms only, and the norm adds ``b`` as it reads them.
     """
 
     def __init__(self, config: TrainConfig, in_dim: int, num_classes: int, reduce: Callable[[Tensor], Tensor]):
@@ -124,6 +128,10 @@ class GNN(nn.Module):
         # Recomputed for backward, an output layer that multiplies first needs only its dense
         # products: its aggregation keeps nothing, and its output goes unused (see _layer).
         self.replay_skips_aggregation = [i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
+        # A hidden layer followed by the fused layer norm + ReLU leaves its bias to that pass
+        # (added as the norm reads its rows, its gradient summed as backward writes them):
+        # no pass of its own each way.
+        self.bias_in_norm = [self._fused(norm) for norm in self.norms] + [False]
 
     def parameters_in_forward_order(self) -> list[nn.Parameter]:
         """Layer 0, norm 0, layer 1, ...: backward produces their gradients in reverse."""
@@ -142,7 +150,7 @@ class GNN(nn.Module):
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
-                h = self._segment(g, self._layer, self._between_layers(norm, h), i, g, None, always=always[i])
+                h = self._segment(g, self._layer, self._between_layers(norm, h, self.bias_before(i)), i, g, None, always=always[i])
             elif self.merge_output_segment and i == last - 1 and not isinstance(self.norms[last - 1], SyncBatchNorm):
                 # the output layer joins the segment before it: its recomputation is cheap,
                 # and the segment keeps y_{L-3} instead of also y_{L-2}
@@ -158,20 +166,21 @@ class GNN(nn.Module):
         # GCN with the precomputed first aggregation never reads x itself: no mask to draw for it.
         reads_x = x_agg is None or self.layers[0].reads_x_with_x_agg
         h = recomputed(x, self.dropout, self.training) if reads_x else x
+        add_bias = not self.bias_in_norm[0]
         with recomputed.saving_recipes():
             if x_agg is not None:
-                out = self.layers[0](h, g, recomputed(x_agg, self.dropout, self.training))
+                out = self.layers[0](h, g, recomputed(x_agg, self.dropout, self.training), add_bias=add_bias)
             else:
-                out = self.layers[0](h, g)
+                out = self.layers[0](h, g, add_bias=add_bias)
         return out
 
     def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
-        h = y if norm is None else self._between_layers(norm, y)
+        h = y if norm is None else self._between_layers(norm, y, self.bias_before(i))
         layer = self.layers[i]
         if g.replaying and self.replay_skips_aggregation[i]:
             return layer.dense_products(h)[0]
-        return layer(h, g)
+        return layer(h, g, add_bias=not self.bias_in_norm[i])
 
     def _last_two_layers(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module) -> Tensor:
         """Layer ``i`` and the output layer ``i + 1``, each with the step before it."""
@@ -186,10 +195,19 @@ class GNN(nn.Module):
         replay = g.replay if g is not None else nullcontext  # None: a first layer that exchanges nothing
         return recomputed(fn, *args, replay=replay)
 
-    def _between_layers(self, norm: nn.Module, h: Tensor) -> Tensor:
-        """norm -> activation -> the next layer's input dropout; one fused pass for layer norm + ReLU."""
-        if isinstance(norm, nn.LayerNorm) and self.activation is F.relu:
-            return layer_norm_relu_dropout(h, norm.weight, norm.bias, norm.eps, self.dropout, self.training)
+    def _fused(self, norm: nn.Module) -> bool:
+        return isinstance(norm, nn.LayerNorm) and self.activation is F.relu
+
+    def bias_before(self, i: int) -> Tensor | None:
+        """The bias of layer ``i - 1`` where the step before layer ``i`` adds it (else None:
+        the layer added it)."""
+        return self.layers[i - 1].output_bias if self.bias_in_norm[i - 1] else None
+
+    def _between_layers(self, norm: nn.Module, h: Tensor, bias: Tensor | None = None) -> Tensor:
+        """(+ the layer's bias, where left to this step) -> norm -> activation -> the next
+        layer's input dropout; one fused pass for layer norm + ReLU."""
+        if self._fused(norm):
+            return layer_norm_relu_dropout(h, norm.weight, norm.bias, norm.eps, self.dropout, self.training, shift=bias)
         return dropout(self.activation(norm(h)), self.dropout, self.training)
 
 

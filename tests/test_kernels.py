@@ -494,18 +494,21 @@ def _norm_case(dtype: torch.dtype, n: int = 60, d: int = 37):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_layer_norm_relu_without_dropout_matches_torch(backend, dtype):
-    x, weight, bias = _norm_case(dtype)
-    x.requires_grad_(True)
-    weight.requires_grad_(True)
-    bias.requires_grad_(True)
+@pytest.mark.parametrize("shifted", [False, True])
+def test_layer_norm_relu_without_dropout_matches_torch(backend, dtype, shifted):
+    """Against torch's layer norm of ``x`` (of ``x + shift`` with a shift, the bias of the
+    layer before): output and every gradient; 150 rows, so backward's sums of 64 rows end
+    part way through a block."""
+    x, weight, bias = _norm_case(dtype, n=150)
+    shift = torch.randn(x.shape[1], dtype=dtype, generator=torch.Generator().manual_seed(4)) if shifted else None
+    inputs = tuple(t.requires_grad_(True) for t in (x, weight, bias, *([shift] if shifted else [])))
     generator_state = torch.get_rng_state()
-    ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.5, training=False)
+    ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.5, training=False, shift=shift)
     assert torch.equal(torch.get_rng_state(), generator_state)  # no dropout: nothing drawn
-    reference = torch.relu(torch.nn.functional.layer_norm(x, (x.shape[1],), weight, bias, 1e-5))
+    reference = torch.relu(torch.nn.functional.layer_norm(x + shift if shifted else x, (x.shape[1],), weight, bias, 1e-5))
     upstream = torch.randn_like(ours)
-    grads = torch.autograd.grad(ours, (x, weight, bias), upstream)
-    expected = torch.autograd.grad(reference, (x, weight, bias), upstream)
+    grads = torch.autograd.grad(ours, inputs, upstream)
+    expected = torch.autograd.grad(reference, inputs, upstream)
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
     torch.testing.assert_close(ours, reference, **tolerance)
     for got, want in zip(grads, expected):
@@ -526,13 +529,15 @@ def test_layer_norm_relu_dropout_is_the_composite_with_its_mask(backend):
     assert torch.equal(ours, layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.4, training=True))
 
 
-def test_layer_norm_relu_dropout_gradcheck_float64(backend):
-    x, weight, bias = _norm_case(torch.float64, n=12, d=9)
-    inputs = tuple(t.requires_grad_(True) for t in (x, weight, bias))
+@pytest.mark.parametrize("shifted", [False, True])
+def test_layer_norm_relu_dropout_gradcheck_float64(backend, shifted):
+    x, weight, bias = _norm_case(torch.float64, n=70, d=9)
+    shift = torch.randn(9, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) if shifted else None
+    inputs = tuple(t.requires_grad_(True) for t in (x, weight, bias, *([shift] if shifted else [])))
 
-    def fixed_mask(*args):
+    def fixed_mask(x, weight, bias, shift=None):
         torch.manual_seed(3)  # the same mask on every evaluation
-        return layer_norm_relu_dropout(*args, 1e-5, 0.3, training=True)
+        return layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.3, training=True, shift=shift)
 
     assert torch.autograd.gradcheck(fixed_mask, inputs)
 

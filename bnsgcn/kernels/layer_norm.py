@@ -20,32 +20,39 @@ from .dropout import LEVELS, dropout
 
 class _LayerNormReluDropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float, p: float) -> Tensor:
+    def forward(ctx, x: Tensor, shift: Tensor | None, weight: Tensor, bias: Tensor, eps: float, p: float) -> Tensor:
         ctx.scale = 1.0 / (1.0 - p)
-        out, keep, mean, rstd = kernel_backend(x.device).layer_norm_relu_dropout(x, weight, bias, eps, round(p * LEVELS), ctx.scale)
-        ctx.save_for_backward(x, weight, mean, rstd, keep)
+        ctx.shifted = shift is not None
+        shift = shift if shift is not None else x.new_zeros(x.shape[1])
+        out, keep, mean, rstd = kernel_backend(x.device).layer_norm_relu_dropout(x, shift, weight, bias, eps, round(p * LEVELS), ctx.scale)
+        ctx.save_for_backward(x, shift, weight, mean, rstd, keep)
         return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        x, weight, mean, rstd, keep = ctx.saved_tensors
-        dx, dweight, dbias = kernel_backend(dout.device).layer_norm_relu_dropout_backward(dout.contiguous(), x, weight, mean, rstd, keep, ctx.scale)
-        return dx, dweight, dbias, None, None
+    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor, None, None]:
+        x, shift, weight, mean, rstd, keep = ctx.saved_tensors
+        dx, dshift, dweight, dbias = kernel_backend(dout.device).layer_norm_relu_dropout_backward(dout.contiguous(), x, shift, weight, mean, rstd, keep, ctx.scale)
+        return dx, (dshift if ctx.shifted else None), dweight, dbias, None, None
 
 
-def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, p: float, training: bool) -> Tensor:
-    r"""``dropout(relu(layer_norm(x)))`` over the last dimension.
+def layer_norm_relu_dropout(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, p: float, training: bool, shift: Tensor | None = None
+) -> Tensor:
+    r"""``dropout(relu(layer_norm(x + c)))`` over the last dimension.
 
-    .. math:: y_{vj} = \max\Big(0,\ \gamma_j \frac{x_{vj} - \mu_v}{\sqrt{\sigma_v^2 + \epsilon}} + \beta_j\Big)
+    .. math:: y_{vj} = \max\Big(0,\ \gamma_j \frac{x_{vj} + c_j - \mu_v}{\sqrt{\sigma_v^2 + \epsilon}} + \beta_j\Big)
               \cdot \frac{m_{vj}}{1 - p}
 
-    with :math:`\mu_v, \sigma_v^2` the mean and (biased) variance of row ``v`` and
-    :math:`m_{vj}` kept with probability ``1 - p`` (as :func:`~bnsgcn.kernels.dropout`;
-    no dropout when not ``training``). ``x`` [n, d] float32 or float64, ``weight`` and
-    ``bias`` [d]; returns [n, d]. Differentiable w.r.t. ``x``, ``weight`` and ``bias``.
+    with :math:`\mu_v, \sigma_v^2` the mean and (biased) variance of row ``v`` of ``x + c``
+    and :math:`m_{vj}` kept with probability ``1 - p`` (as :func:`~bnsgcn.kernels.dropout`;
+    no dropout when not ``training``). ``x`` [n, d] float32 or float64; ``weight``, ``bias``
+    and ``shift`` (``c``, default 0) [d]; returns [n, d]. ``shift`` is the bias of the layer
+    before, added here instead of in a pass of its own (and its gradient, the column sums
+    of the input gradient, summed in backward's pass). Differentiable w.r.t. ``x``,
+    ``shift``, ``weight`` and ``bias``.
     """
     p = p if training else 0.0
     if x.device.type != "cpu":
-        return dropout(F.relu(F.layer_norm(x, x.shape[1:], weight, bias, eps)), p, training)
-    return _LayerNormReluDropout.apply(x.contiguous(), weight, bias, eps, p)
+        return dropout(F.relu(F.layer_norm(x if shift is None else x + shift, x.shape[1:], weight, bias, eps)), p, training)
+    return _LayerNormReluDropout.apply(x.contiguous(), shift, weight, bias, eps, p)

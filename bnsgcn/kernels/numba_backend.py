@@ -611,8 +611,9 @@ _UNPACK_BITS = np.array([sum(((b >> t) & 1) << (8 * t) for t in range(8)) for b 
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, scale, out, keep, mean, rstd):
+def _norm_relu_dropout_rows(x, shift, weight, bias, eps, seed, first_word, threshold, scale, out, keep, mean, rstd):
     n, d = x.shape
+    shifted = np.empty(d, dtype=x.dtype)  # the row plus ``shift``, read twice more from L1
     words_per_row = (d + 3) // 4
     # A row's random words, and the same bytes as 16-bit fields: field t of word w is field
     # 4 w + t (little-endian), element j's is field j. Without dropout (threshold 0)
@@ -632,11 +633,13 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
         row = x[i]
         total = zero
         for j in range(d):
-            total += row[j]
+            v = row[j] + shift[j]
+            shifted[j] = v
+            total += v
         mu = total * inv_d
         squares = zero
         for j in range(d):
-            squares += (row[j] - mu) * (row[j] - mu)
+            squares += (shifted[j] - mu) * (shifted[j] - mu)
         r = x.dtype.type(1) / np.sqrt(squares * inv_d + eps)
         mean[i], rstd[i] = mu, r
         if threshold:
@@ -645,7 +648,7 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
                 words[w] = _splitmix64(seed, word + np.uint64(w))
         out_row = out[i]
         for j in range(d):
-            y = (row[j] - mu) * r * weight[j] + bias[j]
+            y = (shifted[j] - mu) * r * weight[j] + bias[j]
             out_row[j] = max(y * scale if np.int32(fields[j]) >= threshold else zero, zero)
         for j in range(d):  # kept: drawn and positive, which is what a positive output is
             kept[j] = out_row[j] > zero
@@ -655,14 +658,14 @@ def _norm_relu_dropout_rows(x, weight, bias, eps, seed, first_word, threshold, s
 
 
 @_row_parallel(fastmath=_FASTMATH)
-def _norm_relu_dropout_kernel(x, weight, bias, eps, seed, threshold, scale, out, keep, mean, rstd, n_blocks):
+def _norm_relu_dropout_kernel(x, shift, weight, bias, eps, seed, threshold, scale, out, keep, mean, rstd, n_blocks):
     n, d = x.shape
     words_per_row = (d + 3) // 4
     eps, scale = x.dtype.type(eps), x.dtype.type(scale)
     for block in prange(n_blocks):
         start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
         _norm_relu_dropout_rows(
-            x[start:stop], weight, bias, eps, seed, start * words_per_row, threshold, scale,
+            x[start:stop], shift, weight, bias, eps, seed, start * words_per_row, threshold, scale,
             out[start:stop], keep[start:stop], mean[start:stop], rstd[start:stop],
         )
 
@@ -672,7 +675,7 @@ _PARAM_GRAD_ROWS = 64
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, dweight, dbias):
+def _norm_relu_dropout_grad_rows(dout, x, shift, weight, mean, rstd, keep, scale, dx, dshift, dweight, dbias):
     n, d = x.shape
     dy = np.empty(d, dtype=x.dtype)
     xhat = np.empty(d, dtype=x.dtype)
@@ -680,6 +683,7 @@ def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, d
     # directly converted every element to float64 (1.5x slower): a few rows are summed here first
     dweight_rows = np.zeros(d, dtype=x.dtype)
     dbias_rows = np.zeros(d, dtype=x.dtype)
+    dshift_rows = np.zeros(d, dtype=x.dtype)
     mask = np.empty(8 * keep.shape[1], np.uint8)  # the row's mask, a byte (0 or 1) per element
     mask_words = mask.view(np.uint64)
     inv_d = x.dtype.type(1) / x.dtype.type(d)  # not ``/ d``: that is float64 (see the forward)
@@ -692,7 +696,7 @@ def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, d
             mask_words[b] = _UNPACK_BITS[keep_row[b]]
         for j in range(d):
             g = dout[i, j] * scale * mask[j]
-            h = (x[i, j] - mu) * r
+            h = (x[i, j] + shift[j] - mu) * r
             dy[j], xhat[j] = g, h
             dweight_rows[j] += g * h
             dbias_rows[j] += g
@@ -701,56 +705,68 @@ def _norm_relu_dropout_grad_rows(dout, x, weight, mean, rstd, keep, scale, dx, d
         mean_dxhat *= inv_d
         mean_dxhat_xhat *= inv_d
         for j in range(d):
-            dx[i, j] = r * (dy[j] * weight[j] - mean_dxhat - xhat[j] * mean_dxhat_xhat)
+            v = r * (dy[j] * weight[j] - mean_dxhat - xhat[j] * mean_dxhat_xhat)
+            dx[i, j] = v
+            dshift_rows[j] += v
         if i % _PARAM_GRAD_ROWS == _PARAM_GRAD_ROWS - 1 or i == n - 1:
             for j in range(d):
                 dweight[j] += dweight_rows[j]
                 dbias[j] += dbias_rows[j]
+                dshift[j] += dshift_rows[j]
                 dweight_rows[j] = 0
                 dbias_rows[j] = 0
+                dshift_rows[j] = 0
 
 
 @_row_parallel(fastmath=_FASTMATH)
-def _norm_relu_dropout_grad_kernel(dout, x, weight, mean, rstd, keep, scale, dx, dweight, dbias, n_blocks):
+def _norm_relu_dropout_grad_kernel(dout, x, shift, weight, mean, rstd, keep, scale, dx, dshift, dweight, dbias, n_blocks):
     n, d = x.shape
     scale = x.dtype.type(scale)
     # Per-block partial sums of the parameter gradients (float64), added up at the end.
+    dshift_blocks = np.zeros((n_blocks, d))
     dweight_blocks = np.zeros((n_blocks, d))
     dbias_blocks = np.zeros((n_blocks, d))
     for block in prange(n_blocks):
         start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
         _norm_relu_dropout_grad_rows(
-            dout[start:stop], x[start:stop], weight, mean[start:stop], rstd[start:stop], keep[start:stop],
-            scale, dx[start:stop], dweight_blocks[block], dbias_blocks[block],
+            dout[start:stop], x[start:stop], shift, weight, mean[start:stop], rstd[start:stop], keep[start:stop],
+            scale, dx[start:stop], dshift_blocks[block], dweight_blocks[block], dbias_blocks[block],
         )
     for j in range(x.shape[1]):
+        dshift[j] = dshift_blocks[:, j].sum()
         dweight[j] = dweight_blocks[:, j].sum()
         dbias[j] = dbias_blocks[:, j].sum()
 
 
-def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out, keep, mean, rstd)``: ``out = relu(layer_norm(x)) * keep * scale`` with ``keep``
-    already zero where the ReLU is; the random bits as in :func:`dropout` (none drawn
-    without dropout, ``threshold`` 0). ``keep`` holds one bit per element, uint8
-    [n, ceil(d / 8)] (bit ``j mod 8`` of byte ``j // 8``): backward keeps it, an eighth of
-    a byte mask."""
+def layer_norm_relu_dropout(
+    x: Tensor, shift: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(out, keep, mean, rstd)``: ``out = relu(layer_norm(x + shift)) * keep * scale`` with
+    ``keep`` already zero where the ReLU is; the random bits as in :func:`dropout` (none
+    drawn without dropout, ``threshold`` 0). ``shift`` [d] is added to every row (the bias
+    of the layer before). ``keep`` holds one bit per element, uint8 [n, ceil(d / 8)] (bit
+    ``j mod 8`` of byte ``j // 8``): backward keeps it, an eighth of a byte mask. ``mean``
+    and ``rstd`` are those of ``x + shift``."""
     seed = int(torch.randint(0, 2**62, (1,))) if threshold else 0
     n, d = x.shape
     out, keep = buffers.empty(x.shape, x.dtype), buffers.empty((n, (d + 7) // 8), torch.uint8)  # every byte written
     mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)
     _norm_relu_dropout_kernel(
-        _array(x), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold), float(scale),
-        out.numpy(), keep.numpy(), mean.numpy(), rstd.numpy(), work=x.numel(),
+        _array(x), _array(shift.to(x.dtype)), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold),
+        float(scale), out.numpy(), keep.numpy(), mean.numpy(), rstd.numpy(), work=x.numel(),
     )
     return out, keep, mean, rstd
 
 
-def layer_norm_relu_dropout_backward(dout: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dweight, dbias)`` of :func:`layer_norm_relu_dropout`."""
+def layer_norm_relu_dropout_backward(
+    dout: Tensor, x: Tensor, shift: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dshift, dweight, dbias)`` of :func:`layer_norm_relu_dropout` (``dshift`` is the
+    column sum of ``dx``, summed in the same pass)."""
     dx = buffers.empty(x.shape, x.dtype)
-    dweight, dbias = torch.empty(x.shape[1], dtype=torch.float64), torch.empty(x.shape[1], dtype=torch.float64)
+    dshift, dweight, dbias = (torch.empty(x.shape[1], dtype=torch.float64) for _ in range(3))
     _norm_relu_dropout_grad_kernel(
-        _array(dout), _array(x), _array(weight.to(x.dtype)), _array(mean), _array(rstd), _array(keep), float(scale),
-        dx.numpy(), dweight.numpy(), dbias.numpy(), work=x.numel(),
+        _array(dout), _array(x), _array(shift.to(x.dtype)), _array(weight.to(x.dtype)), _array(mean), _array(rstd), _array(keep), float(scale),
+        dx.numpy(), dshift.numpy(), dweight.numpy(), dbias.numpy(), work=x.numel(),
     )
-    return dx, dweight.to(weight.dtype), dbias.to(weight.dtype)
+    return dx, dshift.to(shift.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)

@@ -220,7 +220,10 @@ def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
     return (dy * keep).mul_(scale)
 
 
-def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def layer_norm_relu_dropout(
+    x: Tensor, shift: Tensor, weight: Tensor, bias: Tensor, eps: float, threshold: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x = x + shift
     var, mean = torch.var_mean(x, dim=1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
     y = torch.addcmul(bias, (x - mean[:, None]) * rstd[:, None], weight)
@@ -230,9 +233,11 @@ def layer_norm_relu_dropout(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
     return (y * keep).mul_(scale), keep, mean, rstd
 
 
-def layer_norm_relu_dropout_backward(dout: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def layer_norm_relu_dropout_backward(
+    dout: Tensor, x: Tensor, shift: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, keep: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dy = masked_scale(dout, keep, scale)
-    xhat = (x - mean[:, None]) * rstd[:, None]
+    xhat = (x + shift - mean[:, None]) * rstd[:, None]
     dxhat = dy * weight
     dx = (dxhat - dxhat.mean(1, keepdim=True) - xhat * (dxhat * xhat).mean(1, keepdim=True)) * rstd[:, None]
-    return dx, (dy * xhat).sum(0), dy.sum(0)
+    return dx, dx.sum(0), (dy * xhat).sum(0), dy.sum(0)
