@@ -16,7 +16,7 @@ import torch
 
 from .comm import Comm
 from .compress import EXACT, WireFormat
-from .kernels import buffers
+from .kernels import buffers, kernel_backend
 from .shard import Topology, segment_counts
 
 
@@ -345,7 +345,7 @@ class _Send(torch.autograd.Function):
         flight = ctx.flight
         grads = finish_grads(flight.exchange.comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
         flight.work = flight.grads_sent = flight.grads_received = None
-        grad_x = buffers.empty((ctx.n_inner, *flight.row), grads.dtype, grads.device).zero_().index_add_(0, flight.plan.send_index, grads)
+        grad_x = kernel_backend(grads.device).scatter_rows(flight.plan.send_index, grads, ctx.n_inner)
         return grad_x, None, None
 
 

@@ -48,6 +48,7 @@ from .exchange import (
     start_row_relay,
     start_rows,
 )
+from .kernels import kernel_backend
 from .shard import Topology
 
 
@@ -223,7 +224,7 @@ class StaleExchange:
             return None
         send_index, grads = state.grads
         state.grads = None
-        dense = grads.new_zeros((self.n_inner, *state.row)).index_add_(0, send_index, grads)
+        dense = kernel_backend(grads.device).scatter_rows(send_index, grads, self.n_inner)
         if self.smoothing is None:
             return dense
         current = dense[self.send_rows]

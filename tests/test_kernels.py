@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bnsgcn.errors import UserError
-from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
+from bnsgcn.kernels import ENV_VAR, Adjacency, buffers, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
 
 # numba's kernels run on one thread for one-thread ranks or small inputs, on several otherwise: both.
 BACKENDS = ("numba-one-thread", "numba-parallel", "torch")
@@ -559,3 +559,28 @@ def test_layer_norm_relu_dropout_mask_does_not_depend_on_thread_count(monkeypatc
         torch.set_num_threads(previous)
     assert torch.equal(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1])
+
+
+# --- scatter_rows (the exchange's backward) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("row", [(5,), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scatter_rows_sums_each_row_where_its_index_says(backend, row, dtype):
+    """Against a loop: repeated indices sum, untouched rows are zero (into a pooled buffer
+    that held other values before), no rows gives all zeros."""
+    g = torch.Generator().manual_seed(9)
+    n = 70_000  # over 1 MiB: the result comes from the pool, not from fresh (zeroed) pages
+    index = torch.tensor([3, 0, 7, 3, 69_999, 3, 0])
+    rows = torch.randn(len(index), *row, generator=g, dtype=dtype)
+    expected = torch.zeros(n, *row, dtype=dtype)
+    for i, target in enumerate(index.tolist()):
+        expected[target] += rows[i]
+    module = kernel_backend(torch.device("cpu"))
+    pool = buffers.BufferPool()
+    with buffers.pooled(pool):
+        dirty = buffers.empty((n, *row), dtype).fill_(7.0)  # the block the result reuses
+    del dirty
+    with buffers.pooled(pool):
+        torch.testing.assert_close(module.scatter_rows(index, rows, n), expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    assert torch.equal(module.scatter_rows(index[:0], rows[:0], n), torch.zeros(n, *row, dtype=dtype))

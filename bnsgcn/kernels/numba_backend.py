@@ -20,6 +20,7 @@ is compiled once, with ``parallel=True``, and runs on one thread or many (see
 from __future__ import annotations
 
 import functools
+import math
 
 import numba
 import numpy as np
@@ -471,6 +472,28 @@ def gat_backward(
         work=work,
     )
     return (dx if need_dx else None), d_src, d_dst
+
+
+@njit(cache=True)
+def _scatter_rows_kernel(index, rows, out):
+    out[:, :] = 0
+    # in index order, one row at a time: a row sent to several ranks sums their gradients
+    # in the same order for any data
+    for i in range(index.shape[0]):
+        target, source = out[index[i]], rows[i]
+        for k in range(rows.shape[1]):
+            target[k] += source[k]
+
+
+def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
+    """``out`` [n, *row]: zero, plus ``rows[i]`` [m, *row] added at row ``index[i]`` (int64
+    [m]; an index may repeat): the gradient of gathering rows ``index`` of an [n, *row]
+    tensor. One pass over ``out`` and one over ``rows``: torch's ``index_add_`` took
+    1.1 ns per element here, after a fill of its own."""
+    out = buffers.empty((n, *rows.shape[1:]), rows.dtype)
+    width = math.prod(rows.shape[1:])
+    _scatter_rows_kernel(_array(index), _array(rows).reshape(rows.shape[0], width), out.numpy().reshape(n, width))
+    return out
 
 
 # SplitMix64 (Steele, Lea & Flood 2014) of a counter: 64 random bits per word of four

@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from . import buffers
 from .adjacency import Adjacency
 
 _INT32_MAX = 2**31 - 1
@@ -194,6 +195,11 @@ def gat_backward(
     if need_dx:
         dx = _per_head_spmm(adj.t_indptr, adj.t_indices, alpha, dy, adj.n_cols, order=adj.t_edge)
     return dx, d_src, d_dst
+
+
+def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
+    """``out`` [n, *row]: zero, plus ``rows[i]`` added at row ``index[i]`` (see the numba backend's)."""
+    return buffers.empty((n, *rows.shape[1:]), rows.dtype, rows.device).zero_().index_add_(0, index, rows)
 
 
 def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:

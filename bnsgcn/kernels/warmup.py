@@ -62,6 +62,7 @@ def exercise() -> None:
     (hidden.sum() + attended.sum()).backward()
     lo, inv_step = torch.zeros(n_rows), torch.ones(n_rows)
     numba_backend.quantize_codes(hidden.detach(), lo, inv_step, 15, generator)
+    numba_backend.scatter_rows(torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows)  # the exchange's backward
 
 
 def cache_key() -> str:
