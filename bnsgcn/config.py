@@ -19,6 +19,7 @@ from .errors import UserError
 MODELS = ("graphsage", "gat", "gcn")
 WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.compress encodes
 EXCHANGES = ("direct", "hierarchical", "auto")
+NONZERO_ROWS = ("auto", "on", "off")
 NORMS = ("layer", "batch", "none")
 
 
@@ -48,6 +49,12 @@ class TrainConfig:
     eval_every: int = _setting(10, "evaluate every N epochs, 0 = only at the end")
     precompute: bool | None = _setting(None, "precompute the first layer's full-graph aggregation (--no-precompute: aggregate it every epoch)", shown="on for graphsage and gcn")
     inductive: bool = _setting(False, "train on the subgraph induced by training nodes, evaluate on the full graph")
+    nonzero_rows: str = _setting(
+        "auto",
+        "auto | on | off: with on, a hidden layer's boundary rows (ReLU outputs) cross as a bitmap and their nonzero "
+        "entries, and their gradients at those entries alone: exact, about a third of the bytes after dropout 0.5, for "
+        "a pass more over the rows each way; auto = on when the job spans several machines",
+    )
     remat: bool = _setting(False, "recompute each layer's aggregation (and the norm before it) in backward instead of keeping it: less memory, about one more forward pass of compute")
     device: str = _setting("auto", "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per local rank")
     threads: int | None = _setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
@@ -220,6 +227,8 @@ def validate(c: TrainConfig) -> None:
         raise UserError("--resume continues the run in --out, but no --out was given; pass --out RUN_DIR")
     if c.exchange not in EXCHANGES:
         raise UserError(f"unknown exchange {c.exchange!r}; choose --exchange from {', '.join(EXCHANGES)}")
+    if c.nonzero_rows not in NONZERO_ROWS:
+        raise UserError(f"unknown --nonzero-rows {c.nonzero_rows!r}; choose from {', '.join(NONZERO_ROWS)}")
     for flag, value in (("--compress", c.compress), ("--compress-grad", c.grad_wire_format)):
         if value not in WIRE_FORMATS:
             raise UserError(f"unknown wire format {flag} {value}; choose from {', '.join(WIRE_FORMATS)}")

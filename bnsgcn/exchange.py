@@ -4,11 +4,14 @@ Forward, each owner sends the rows of its inner nodes that other ranks sampled t
 epoch; backward, the gradients of those rows travel back and are added into the owner's
 inner-row gradients. One all-to-all per layer and direction, plus, in a node-aware plan
 (:mod:`bnsgcn.hierarchy`), one more among the ranks of each node that relays rows which
-crossed the network once to the other ranks of the node needing them.
+crossed the network once to the other ranks of the node needing them. Rows whose zero
+entries need no gradient (ReLU outputs) may cross as their nonzero entries and a bitmap
+(:func:`start_nonzero_rows`): one small all-to-all of counts and two more per layer.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +69,15 @@ def empty_plan(topology: Topology, device: torch.device) -> ExchangePlan:
     """No boundary row at all (p = 0)."""
     zeros = [0] * len(topology.send_counts)
     return ExchangePlan(torch.empty(0, dtype=torch.int64, device=device), zeros, list(zeros))
+
+
+def resolve_nonzero_rows(setting: str, comm: Comm) -> str:
+    """``--nonzero-rows auto`` is on when the job spans several machines: between them the
+    bytes saved cost more than packing and unpacking the rows; over one machine's loopback
+    or NVLink they do not (docs/benchmarks.md, "Rows as their nonzero entries")."""
+    if setting == "auto":
+        return "on" if comm.nodes.count > 1 else "off"
+    return setting
 
 
 def exchange_selections(comm: Comm, topology: Topology, keep: torch.Tensor) -> torch.Tensor:
@@ -239,6 +251,77 @@ def finish_grads(comm: Comm, work, received: torch.Tensor, wire: WireFormat, row
     return wire.decode(received, row, dtype)
 
 
+@dataclass
+class NonzeroPattern:
+    """Which entries of a layer's rows crossed as nonzero ones (:func:`start_nonzero_rows`):
+    what its backward needs to send and place the gradients of those entries alone.
+
+    ``width``: entries per row (d); ``sent_bits`` uint8 [len(plan.send_index), ceil(d / 8)]
+    and ``received_bits`` uint8 [plan.num_received, ceil(d / 8)]: one bit per entry, set
+    where it is nonzero (bit j % 8 of byte j // 8); ``sent_counts[q]`` /
+    ``received_counts[q]``: nonzero entries sent to / received from rank q.
+    """
+
+    width: int
+    sent_bits: torch.Tensor
+    sent_counts: list[int]
+    received_bits: torch.Tensor
+    received_counts: list[int]
+
+
+def start_nonzero_rows(
+    comm: Comm, x_inner: torch.Tensor, plan: ExchangePlan, send_buffer: Buffer, values_buffer: Buffer, category: str
+) -> tuple[tuple[object, object], torch.Tensor, NonzeroPattern]:
+    """Start moving the rows ``plan`` sends from ``x_inner`` [n_inner, d] as their nonzero
+    entries and a bitmap (exact): a row after a ReLU and dropout 0.5 is about a quarter
+    nonzero, so about 28% of its bytes cross. Each rank first learns how many entries each
+    owner sends it (a small all-to-all, waited for), then bitmaps and entries travel.
+    Returns both works, the buffer the entries land in (a spare slot at its end, see
+    :func:`finish_nonzero_rows`) and the pattern backward needs."""
+    backend = kernel_backend(x_inner.device)
+    width = x_inner.shape[1]
+    sent_bits = torch.empty((plan.send_index.numel(), (width + 7) // 8), dtype=torch.uint8, device=x_inner.device)
+    values = send_buffer.view((plan.send_index.numel() * width,), x_inner.dtype, x_inner.device)
+    offsets = backend.pack_nonzero_rows(x_inner, plan.send_index, sent_bits, values)
+    segment_ends = torch.tensor([0, *itertools.accumulate(plan.send_counts)]).to(offsets.device, non_blocking=True)
+    sent = offsets[segment_ends].diff()
+    received = torch.empty(len(plan.recv_counts), dtype=torch.int64, device=comm.device)
+    comm.all_to_all(sent, [1] * sent.numel(), [1] * received.numel(), received, category)
+    sent_counts, received_counts = sent.tolist(), received.tolist()  # the all-to-alls' sizes
+    received_bits = torch.empty((plan.num_received, sent_bits.shape[1]), dtype=torch.uint8, device=x_inner.device)
+    bits_work = comm.all_to_all_start(sent_bits, plan.send_counts, plan.recv_counts, received_bits, category)
+    arrived = values_buffer.view((sum(received_counts) + 1,), x_inner.dtype, x_inner.device)
+    values_work = comm.all_to_all_start(values[: sum(sent_counts)], sent_counts, received_counts, arrived[:-1], category)
+    return (bits_work, values_work), arrived, NonzeroPattern(width, sent_bits, sent_counts, received_bits, received_counts)
+
+
+def finish_nonzero_rows(comm: Comm, works: tuple[object, object], arrived: torch.Tensor, pattern: NonzeroPattern, out: torch.Tensor, category: str) -> torch.Tensor:
+    """Wait for rows started by :func:`start_nonzero_rows` and write them whole into ``out``
+    [plan.num_received, d]."""
+    for work in works:
+        comm.wait(work, category)
+    return kernel_backend(out.device).unpack_nonzero_rows(pattern.received_bits, arrived, out)
+
+
+def start_nonzero_grads(comm: Comm, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """Start sending the gradients of the received rows' nonzero entries to their owners;
+    the rest need none (see :meth:`BoundaryExchange.start`). Returns the work, the entries
+    being sent and the buffer the owner's arrive in (a spare slot at its end)."""
+    device, dtype = grad_rows.device, grad_rows.dtype
+    values = buffers.send.view((sum(pattern.received_counts) + 1,), dtype, device)
+    values = kernel_backend(device).gather_nonzero(grad_rows.contiguous(), pattern.received_bits, values)
+    received = buffers.recv.view((sum(pattern.sent_counts) + 1,), dtype, device)
+    work = comm.all_to_all_start(values, pattern.received_counts, pattern.sent_counts, received[:-1], "gradients")
+    return work, values, received
+
+
+def finish_nonzero_grads(comm: Comm, work, received: torch.Tensor, pattern: NonzeroPattern, plan: ExchangePlan, n_inner: int) -> torch.Tensor:
+    """Wait for gradients started by :func:`start_nonzero_grads`; returns them added into
+    [n_inner, d] at the rows sent (zero where nothing was sent or an entry was zero)."""
+    comm.wait(work, "gradients")
+    return kernel_backend(received.device).scatter_nonzero_rows(plan.send_index, pattern.sent_bits, received, (n_inner, pattern.width))
+
+
 class GradBuffers:
     """Storage of one gradient exchange: what is sent (encoded), what arrives, what a relay sums."""
 
@@ -255,12 +338,16 @@ class BoundaryExchange:
     their gradients cross the network during training (:mod:`bnsgcn.compress`);
     evaluation's rows (category ``evaluation``) always travel exact. A relay inside a node
     hands rows on as they arrived, and sums gradients in float32 before they cross.
+    ``nonzero_rows``: rows the caller promises need no gradient at zero entries cross as
+    their nonzero entries (:meth:`start`); those land in the gradients' send buffer, idle
+    in forward, and are written whole into the layer's receive buffer.
     """
 
-    def __init__(self, comm: Comm, rows_format: WireFormat | None = None, grads_format: WireFormat | None = None) -> None:
+    def __init__(self, comm: Comm, rows_format: WireFormat | None = None, grads_format: WireFormat | None = None, nonzero_rows: bool = False) -> None:
         self.comm = comm
         self.rows_format = rows_format or EXACT
         self.grads_format = grads_format or EXACT
+        self.nonzero_rows = nonzero_rows
         self.send_buffer = Buffer()
         self.grad_buffers = GradBuffers()
         # Rows are sent only in forward passes and gradients received only in backward
@@ -286,18 +373,27 @@ class BoundaryExchange:
         for buffer in self._all_buffers():
             buffer.storage = None
 
-    def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows:
+    def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows:
         """Start fetching the rows of sampled boundary nodes for layer ``slot``;
         :meth:`InFlightRows.wait` returns them, [plan.num_received, *row] from ``x_inner``
         [n_inner, *row]. Differentiable: backward sends the rows' gradients to their owners.
 
         ``category`` names the forward traffic in the byte counts; gradients are counted
-        as ``gradients``.
+        as ``gradients``. ``zeros_need_no_gradient``: the caller's promise that the gradient
+        reaching an exactly zero entry of ``x_inner`` is discarded (the output of a ReLU,
+        or of dropout after one, is zero exactly where its backward passes nothing). The
+        rows then cross as their nonzero entries (:func:`start_nonzero_rows`), and their
+        gradients at those entries alone: the same result in fewer bytes, unless this
+        exchange was made with ``nonzero_rows=False``, compresses (its wire formats are
+        not exact) or relays inside nodes.
         """
         recv = self.recv_buffers.setdefault(slot, Buffer())
         flight = InFlightRows(self, plan, category)
         if category != "evaluation":
             flight.rows_format, flight.grads_format = self.rows_format, self.grads_format
+        flight.nonzero = (
+            zeros_need_no_gradient and self.nonzero_rows and plan.relay is None and x_inner.dim() == 2 and flight.rows_format.exact and flight.grads_format.exact
+        )
         flight.token = _Send.apply(x_inner, flight, recv)
         return flight
 
@@ -318,6 +414,9 @@ class InFlightRows:
         self.work = None  # the forward all-to-all, then the gradients' one
         self.grads_sent: torch.Tensor | None = None  # kept alive while its all-to-all runs
         self.grads_received: torch.Tensor | None = None
+        self.nonzero = False  # rows cross as their nonzero entries (see BoundaryExchange.start)
+        self.pattern: NonzeroPattern | None = None  # which did, once started
+        self.rows_buffer: Buffer | None = None  # where the nonzero path writes the rows whole
 
     def wait(self) -> torch.Tensor:
         """The received rows [plan.num_received, *row] (autograd-connected)."""
@@ -337,15 +436,27 @@ class _Send(torch.autograd.Function):
         ctx.flight, ctx.n_inner = flight, x_inner.shape[0]
         x_inner = x_inner.detach()
         flight.row, flight.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
-        flight.work, flight.arrived = start_rows(flight.exchange.comm, x_inner, flight.plan, flight.rows_format, flight.exchange.send_buffer, recv, flight.category)
+        exchange = flight.exchange
+        if flight.nonzero:
+            # the entries arrive in the gradients' send buffer, idle in forward
+            flight.work, flight.arrived, flight.pattern = start_nonzero_rows(
+                exchange.comm, x_inner, flight.plan, exchange.send_buffer, exchange.grad_buffers.send, flight.category
+            )
+            flight.rows_buffer = recv
+        else:
+            flight.work, flight.arrived = start_rows(exchange.comm, x_inner, flight.plan, flight.rows_format, exchange.send_buffer, recv, flight.category)
         return x_inner.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad_token):  # noqa: D102
         flight = ctx.flight
-        grads = finish_grads(flight.exchange.comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
-        flight.work = flight.grads_sent = flight.grads_received = None
-        grad_x = kernel_backend(grads.device).scatter_rows(flight.plan.send_index, grads, ctx.n_inner)
+        comm = flight.exchange.comm
+        if flight.pattern is not None:
+            grad_x = finish_nonzero_grads(comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner)
+        else:
+            grads = finish_grads(comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
+            grad_x = kernel_backend(grads.device).scatter_rows(flight.plan.send_index, grads, ctx.n_inner)
+        flight.work = flight.grads_sent = flight.grads_received = flight.pattern = None
         return grad_x, None, None
 
 
@@ -358,14 +469,23 @@ class _Receive(torch.autograd.Function):
     def forward(ctx, token, flight):  # noqa: D102
         ctx.flight = flight
         exchange = flight.exchange
-        rows = finish_rows(exchange.comm, flight.plan, flight.work, flight.arrived, exchange.send_buffer, flight.rows_format, flight.row, flight.dtype, flight.category)
+        if flight.pattern is not None:
+            out = flight.rows_buffer.view((flight.plan.num_received, *flight.row), flight.dtype, flight.arrived.device)
+            rows = finish_nonzero_rows(exchange.comm, flight.work, flight.arrived, flight.pattern, out, flight.category)
+            flight.rows_buffer = None
+        else:
+            rows = finish_rows(exchange.comm, flight.plan, flight.work, flight.arrived, exchange.send_buffer, flight.rows_format, flight.row, flight.dtype, flight.category)
         flight.work = flight.arrived = None
         return rows
 
     @staticmethod
     def backward(ctx, grad_rows):  # noqa: D102
         flight = ctx.flight
-        flight.work, flight.grads_sent, flight.grads_received = start_grads(flight.exchange.comm, flight.plan, grad_rows, flight.grads_format, flight.exchange.grad_buffers)
+        exchange = flight.exchange
+        if flight.pattern is not None:
+            flight.work, flight.grads_sent, flight.grads_received = start_nonzero_grads(exchange.comm, grad_rows, flight.pattern, exchange.grad_buffers)
+        else:
+            flight.work, flight.grads_sent, flight.grads_received = start_grads(exchange.comm, flight.plan, grad_rows, flight.grads_format, exchange.grad_buffers)
         return grad_rows.new_zeros(0), None
 
 

@@ -80,6 +80,10 @@ class EpochGraph:
     kept_rows: dict[int, torch.Tensor] | None = None
     keep_slots: frozenset[int] = field(default=frozenset(), init=False)
     replaying: bool = field(default=False, init=False)
+    # Slots whose rows are the output of a ReLU (and dropout): the gradient of an exactly
+    # zero entry is discarded there, so the exchange may send the nonzero entries alone
+    # (set by bnsgcn.model for a training pass; see BoundaryExchange.start).
+    nonzero_only_slots: frozenset[int] = field(default=frozenset(), init=False)
 
     def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows | _KeptRows:
         """Start fetching the rows of the sampled boundary nodes for layer ``slot`` from
@@ -89,7 +93,7 @@ class EpochGraph:
             if self.kept_rows is None or slot not in self.kept_rows:
                 raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
             return _KeptRows(self.kept_rows, slot, None)
-        flight = self.exchange.start(x_inner, self.plan, slot, self.traffic)
+        flight = self.exchange.start(x_inner, self.plan, slot, self.traffic, zeros_need_no_gradient=slot in self.nonzero_only_slots)
         return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
 
     def keep_rows(self, slots: frozenset[int]) -> None:

@@ -342,9 +342,10 @@ class LagExchange:
             held += [t for versions in self.grads.values() for _, t in versions.values()]
         return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
 
-    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows | _LagFlight:
+    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows | _LagFlight:
         """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows (the
-        chosen versions, from the second epoch on) and ``x_inner`` goes out for the next."""
+        chosen versions, from the second epoch on) and ``x_inner`` goes out for the next.
+        Rows travel whole (``zeros_need_no_gradient`` is not used)."""
         if self.epoch == 0:
             self.slots[slot] = (tuple(x_inner.shape[1:]), x_inner.dtype)
             if x_inner.requires_grad:  # the same on every rank: the same model

@@ -55,6 +55,12 @@ class SAGEConv(nn.Module):
     def cheap_to_recompute(self) -> bool:
         return narrow_aggregation(self.lin_neigh)
 
+    @property
+    def exchanges_input(self) -> bool:
+        """Without ``x_agg``, the boundary rows it fetches are rows of its input ``x`` (it
+        aggregates first), not of a product."""
+        return not self.cheap_to_recompute
+
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
         self.slot = slot
@@ -102,6 +108,11 @@ class GCNConv(nn.Module):
     def cheap_to_recompute(self) -> bool:
         return narrow_aggregation(self.lin)
 
+    @property
+    def exchanges_input(self) -> bool:
+        """See :attr:`SAGEConv.exchanges_input`."""
+        return not self.cheap_to_recompute
+
     def __init__(self, d_in: int, d_out: int, slot: int):
         super().__init__()
         self.slot = slot
@@ -141,6 +152,7 @@ class GATConv(nn.Module):
 
     reads_x_with_x_agg = True  # never given x_agg: attention is not precomputable
     cheap_to_recompute = False  # attention costs as much again: only with --remat
+    exchanges_input = False  # it fetches projections of its input
 
     def __init__(self, d_in: int, d_out: int, heads: int, slot: int, concat: bool = True, negative_slope: float = 0.2):
         super().__init__()

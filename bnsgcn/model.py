@@ -132,6 +132,12 @@ class GNN(nn.Module):
         # (added as the norm reads its rows, its gradient summed as backward writes them):
         # no pass of its own each way.
         self.bias_in_norm = [self._fused(norm) for norm in self.norms] + [False]
+        # A hidden layer that exchanges its input exchanges ReLU outputs (dropout after the
+        # ReLU keeps zeros zero): their zero entries pass no gradient back, so their rows may
+        # cross as their nonzero entries alone (BoundaryExchange.start).
+        self.nonzero_only_slots = frozenset(
+            i for i, layer in enumerate(self.layers) if i > 0 and layer.exchanges_input and self.activation is F.relu
+        )
 
     def parameters_in_forward_order(self) -> list[nn.Parameter]:
         """Layer 0, norm 0, layer 1, ...: backward produces their gradients in reverse."""
@@ -146,6 +152,7 @@ class GNN(nn.Module):
         if self.training and torch.is_grad_enabled() and g is not None:
             # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
             g.keep_rows(frozenset(i for i, cheap in enumerate(always) if (self.remat or cheap) and not self.replay_skips_aggregation[i]))
+            g.nonzero_only_slots = self.nonzero_only_slots
         h = self._segment(g, self._first_layer, x, x_agg, g)
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]

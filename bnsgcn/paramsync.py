@@ -430,7 +430,7 @@ class LocalExchange:
     """The boundary exchange at p = 0: no boundary row is sampled, so none travels and no
     collective runs per layer (an all-to-all of empty rows would still be a barrier)."""
 
-    def start(self, x_inner: Tensor, plan, slot: int, category: str = "features") -> _NoRows:
+    def start(self, x_inner: Tensor, plan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> _NoRows:
         return _NoRows(x_inner)
 
     def buffers(self) -> list:

@@ -128,9 +128,10 @@ class StaleExchange:
         self.next_plan = next_plan
         self.next_columns = next_keep.nonzero().flatten().to(self.comm.device, non_blocking=True)
 
-    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features") -> InFlightRows | _StaleFlight:
+    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows | _StaleFlight:
         """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows for slot
-        ``slot`` (stale ones once there are any) and ``x_inner`` goes out for the next epoch."""
+        ``slot`` (stale ones once there are any) and ``x_inner`` goes out for the next epoch.
+        Rows travel whole (``zeros_need_no_gradient`` is not used)."""
         state = self.slots.setdefault(slot, _Slot())
         if state.rows is None and state.rows_in_flight is None:
             flight = self.synchronous.start(x_inner, plan, slot, category)

@@ -36,7 +36,7 @@ from .compress import WireFormat
 from .config import TrainConfig
 from .errors import JobStopped, PeerLost, UserError, first_sentence, is_peer_failure, peer_lost_message
 from .evaluate import Evaluation
-from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary
+from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary, resolve_nonzero_rows
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
@@ -340,7 +340,8 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     _compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
-    config = replace(config, exchange=exchange_mode(config, comm))  # auto -> direct or hierarchical (direct with --max-lag)
+    # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
+    config = replace(config, exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.nonzero_rows, comm))
     pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
     # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
     shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)
@@ -361,7 +362,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
     rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
     optimizer = Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    exchange = BoundaryExchange(comm, rows_format, grads_format)
+    exchange = BoundaryExchange(comm, rows_format, grads_format, nonzero_rows=config.nonzero_rows == "on")
     return Job(
         config=config,
         resolved=config.resolved(run_dir, comm.device.type, torch.get_num_threads()),

@@ -28,6 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 # tensor lives on the CPU on every device (the topology, samples, the gathered table).
 SITES = {
     "exchange.exchange_selections:cpu": "device",  # the selection bits (p < 1)
+    "exchange.start_nonzero_rows:tolist": "device",  # entries per peer (--nonzero-rows on)
     "hierarchy.NodeAwarePlanner.sample:cpu": "device",  # the node's selection bits (node-aware, p < 1)
     "accounting.EpochAccount.row:__float__": "device",  # the loss, at the epoch's end
     "accounting.EpochAccount.gather:cpu": "device",  # every rank's figures, at the epoch's end
@@ -251,6 +252,7 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
         TrainConfig(**base, model="gat", p=0.5, exchange="direct", dropout=0.3, compress="int8", out=tmp_path / "gat"),
         TrainConfig(**base, model="gcn", p=0.5, staleness=1, exchange="hierarchical", inductive=True, out=tmp_path / "stale"),
         TrainConfig(**base, model="graphsage", p=1.0, norm="batch", out=tmp_path / "full"),
+        TrainConfig(**(base | dict(layers=3)), model="gcn", p=0.5, exchange="direct", nonzero_rows="on", out=tmp_path / "nonzero"),
     ]
     results = run_ranks(3, configs, nodes=[0, 0, 1], instrument=instrument)
     seen = {site for rank in results for result in rank for site in result["instrumented"]}

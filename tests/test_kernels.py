@@ -584,3 +584,58 @@ def test_scatter_rows_sums_each_row_where_its_index_says(backend, row, dtype):
     with buffers.pooled(pool):
         torch.testing.assert_close(module.scatter_rows(index, rows, n), expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
     assert torch.equal(module.scatter_rows(index[:0], rows[:0], n), torch.zeros(n, *row, dtype=dtype))
+
+
+# --- rows as their nonzero entries (the exchange's sparse rows) --------------------------------
+
+
+def _bits_by_loop(mask: torch.Tensor) -> torch.Tensor:
+    """The bitmap layout written out: bit j % 8 of byte j // 8 set where entry j is nonzero."""
+    bits = torch.zeros(mask.shape[0], (mask.shape[1] + 7) // 8, dtype=torch.uint8)
+    for i, j in mask.nonzero().tolist():
+        bits[i, j // 8] |= 1 << (j % 8)
+    return bits
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 64])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nonzero_rows_round_trip_and_gradients(backend, width, density, dtype):
+    """Pack rows ``x[index]`` (repeated and missing indices, exact zeros of both signs) into a
+    bitmap and entries, against a loop; unpack them bit for bit; gather a gradient's entries
+    where the bits are set; scatter them back as zero plus each row added at its index, in
+    index order (a loop's sums, bit for bit)."""
+    g = torch.Generator().manual_seed(width)
+    n, m = 40, 30
+    x = torch.randn(n, width, generator=g, dtype=dtype)
+    x[torch.rand(n, width, generator=g) >= density] = 0.0
+    x[0, 0] = -0.0
+    index = torch.randint(0, n, (m,), generator=g)
+    index[:3] = torch.tensor([5, 5, n - 1])
+    module = kernel_backend(torch.device("cpu"))
+    rows = x[index]
+    mask = rows != 0
+
+    bits = torch.full((m, (width + 7) // 8), 0xAA, dtype=torch.uint8)
+    values = torch.full((m * width,), float("nan"), dtype=dtype)
+    offsets = module.pack_nonzero_rows(x, index, bits, values)
+    assert torch.equal(bits, _bits_by_loop(mask))
+    assert offsets.tolist() == [0, *torch.cumsum(mask.sum(1), 0).tolist()]
+    nnz = int(offsets[-1])
+    assert torch.equal(values[:nnz], rows[mask])
+
+    spare = torch.cat([values[:nnz], torch.tensor([float("nan")], dtype=dtype)])  # the spare slot may hold anything
+    out = torch.full((m, width), 3.0, dtype=dtype)
+    module.unpack_nonzero_rows(bits, spare, out)
+    assert torch.equal(out, torch.where(mask, rows, torch.zeros((), dtype=dtype)))
+
+    grads = torch.randn(m, width, generator=g, dtype=dtype)
+    gathered = module.gather_nonzero(grads, bits, torch.full((nnz + 1,), float("nan"), dtype=dtype))
+    assert torch.equal(gathered, grads[mask])
+
+    expected = torch.zeros(n, width, dtype=dtype)
+    for i, target in enumerate(index.tolist()):
+        expected[target] += torch.where(mask[i], grads[i], torch.zeros((), dtype=dtype))
+    with_spare = torch.cat([gathered, torch.tensor([float("nan")], dtype=dtype)])
+    assert torch.equal(module.scatter_nonzero_rows(index, bits, with_spare, (n, width)), expected)
+    assert torch.equal(module.scatter_nonzero_rows(index[:0], bits[:0], with_spare[:1], (n, width)), torch.zeros(n, width, dtype=dtype))

@@ -202,6 +202,57 @@ def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
     return buffers.empty((n, *rows.shape[1:]), rows.dtype, rows.device).zero_().index_add_(0, index, rows)
 
 
+def _pack_bits(mask: Tensor) -> Tensor:
+    """bool [m, d] -> uint8 [m, ceil(d / 8)], bit j % 8 of byte j // 8 = ``mask[:, j]``."""
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.shape[1] % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (padded.view(mask.shape[0], padded.shape[1] // 8, 8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_bits(bits: Tensor, d: int) -> Tensor:
+    """uint8 [m, ceil(d / 8)] -> bool [m, d] (see :func:`_pack_bits`)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], bits.shape[1] * 8)[:, :d].bool()
+
+
+def _copy_nonzero(rows: Tensor, mask: Tensor, values: Tensor) -> None:
+    """``rows[mask]`` into the front of ``values``, without reading the count on the host:
+    each entry goes to its rank among the set entries, a clear one to ``values``' last slot
+    (a spare, or past the set entries: at least one is clear)."""
+    flat = mask.reshape(-1)
+    position = torch.cumsum(flat, 0).sub_(1)
+    values.index_copy_(0, torch.where(flat, position, values.numel() - 1), rows.reshape(-1))
+
+
+def pack_nonzero_rows(x: Tensor, index: Tensor, bits: Tensor, values: Tensor) -> Tensor:
+    """Rows ``x[index]`` as a bitmap and their nonzero entries (see the numba backend's)."""
+    rows = x.index_select(0, index)
+    mask = rows != 0
+    bits.copy_(_pack_bits(mask))
+    offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(mask.sum(1), 0, out=offsets[1:])
+    if rows.numel():
+        _copy_nonzero(rows, mask, values[: rows.numel()])
+    return offsets
+
+
+def unpack_nonzero_rows(bits: Tensor, values: Tensor, out: Tensor) -> Tensor:
+    """The rows :func:`pack_nonzero_rows` packed, written whole into ``out`` [m, d]."""
+    return out.zero_().masked_scatter_(_unpack_bits(bits, out.shape[1]), values)  # a spare slot, unread
+
+
+def gather_nonzero(rows: Tensor, bits: Tensor, values: Tensor) -> Tensor:
+    """The entries of ``rows`` where ``bits`` are set, into ``values[:-1]`` (see the numba backend's)."""
+    _copy_nonzero(rows, _unpack_bits(bits, rows.shape[1]), values)
+    return values[:-1]
+
+
+def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    """:func:`scatter_rows` of packed rows (see the numba backend's)."""
+    rows = torch.zeros((bits.shape[0], shape[1]), dtype=values.dtype, device=values.device)
+    return scatter_rows(index, rows.masked_scatter_(_unpack_bits(bits, shape[1]), values), shape[0])
+
+
 def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
     """uint8 codes ``floor((x - lo) * inv_step + u)`` clamped to ``[0, levels]``, ``u``
     uniform in [0, 1) from torch's generator."""

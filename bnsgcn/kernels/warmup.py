@@ -63,6 +63,13 @@ def exercise() -> None:
     lo, inv_step = torch.zeros(n_rows), torch.ones(n_rows)
     numba_backend.quantize_codes(hidden.detach(), lo, inv_step, 15, generator)
     numba_backend.scatter_rows(torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows)  # the exchange's backward
+    # rows as their nonzero entries (the exchange's --nonzero-rows on), forward and backward
+    index, rows = torch.tensor([0, 2, 0]), hidden.detach()
+    bits = torch.empty(len(index), (width + 7) // 8, dtype=torch.uint8)
+    count = int(numba_backend.pack_nonzero_rows(rows, index, bits, torch.empty(len(index) * width))[-1])
+    numba_backend.unpack_nonzero_rows(bits, torch.zeros(count + 1), torch.empty(len(index), width))
+    values = numba_backend.gather_nonzero(torch.randn(len(index), width, generator=generator), bits, torch.empty(count + 1))
+    numba_backend.scatter_nonzero_rows(index, bits, torch.cat([values, torch.zeros(1)]), (n_rows, width))
 
 
 def cache_key() -> str:

@@ -1,0 +1,133 @@
+"""Boundary rows that cross as their nonzero entries (:func:`bnsgcn.exchange.start_nonzero_rows`).
+
+A hidden layer that aggregates first exchanges its input, a ReLU's output after dropout: a
+zero entry passes no gradient back, so its row crosses as a bitmap and the nonzero entries,
+and its gradient at those entries alone.
+
+* One rank, the exchange alone: the rows arrive bit for bit; the gradient reaching the
+  owner is the gathered rows' gradient summed at each index, kept where the entry was
+  nonzero and zero elsewhere (a loop in the test), and the dense path's where it was nonzero.
+* Two ranks at p = 1 without dropout (ReLU zeros alone), ``--nonzero-rows on``: the dense
+  float64 reference of :mod:`tests.reference`, for GraphSAGE and GCN.
+* Two ranks, whole runs with sampling and dropout: the same losses, gradients at every step
+  and final parameters, bit for bit, as ``--nonzero-rows off``; fewer feature and gradient
+  bytes for GraphSAGE and GCN, the same for GAT (it exchanges projections).
+* ``auto`` is on exactly when the job spans several machines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from bnsgcn import report
+from bnsgcn.comm import Comm
+from bnsgcn.exchange import BoundaryExchange, ExchangePlan
+
+from . import reference
+from .distributed import partition, random_graph, run_ranks
+from .test_remat import record_gradients
+
+
+def _one_rank_exchange(nonzero_rows: bool, x: torch.Tensor, plan: ExchangePlan, weights: torch.Tensor):
+    comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=5.0)
+    x = x.clone().requires_grad_(True)
+    rows = BoundaryExchange(comm, nonzero_rows=nonzero_rows).start(x, plan, 0, zeros_need_no_gradient=True).wait()
+    (rows * weights).sum().backward()
+    return rows.detach(), x.grad
+
+
+@pytest.mark.parametrize("width", [5, 16, 19])
+def test_rows_arrive_whole_and_gradients_reach_the_nonzero_entries(width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=g)
+    x[torch.rand(12, width, generator=g) < 0.6] = 0.0
+    x[4] = 0.0  # a row with no nonzero entry
+    index = torch.tensor([2, 4, 0, 2, 11, 7, 2])
+    weights = torch.randn(len(index), width, generator=g)
+    plan = ExchangePlan(index, [len(index)], [len(index)])
+
+    rows, grad = _one_rank_exchange(True, x, plan, weights)
+    assert torch.equal(rows, x[index])
+    expected = torch.zeros_like(x)
+    for i, target in enumerate(index.tolist()):
+        expected[target] += weights[i]
+    expected[x == 0] = 0.0
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-6)
+
+    dense_rows, dense_grad = _one_rank_exchange(False, x, plan, weights)
+    assert torch.equal(dense_rows, rows)
+    assert torch.equal(dense_grad[x != 0], grad[x != 0])
+    assert not torch.equal(dense_grad, grad)  # the dense path does send the zero entries' gradients
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    graph = random_graph(num_nodes=900, avg_degree=6, features=24, seed=21)
+    return partition(graph, 2, tmp_path_factory.mktemp("nonzero") / "parts", method="random")
+
+
+def _losses(config) -> list[float]:
+    return [line["loss"] for line in map(json.loads, (config.out / "metrics.jsonl").read_text().splitlines()) if "loss" in line]
+
+
+VARIANTS = [
+    dict(model="graphsage", precompute=True),
+    dict(model="graphsage", precompute=False, norm="batch"),
+    dict(model="gcn", precompute=False, remat=True),
+    dict(model="gcn", precompute=True, norm="none", layers=4),
+    dict(model="gat", precompute=False),
+]
+
+
+def test_at_p1_runs_match_the_dense_reference(tmp_path):
+    graph = random_graph(num_nodes=64, avg_degree=6, features=12, seed=13)
+    parts = partition(graph, 2, tmp_path / "parts", method="random")
+    configs = [reference.exact_config(m, pre, parts, tmp_path / f"{m}-{pre}", nonzero_rows="on") for m, pre in [("graphsage", True), ("graphsage", False), ("gcn", False)]]
+    configs.append(reference.exact_config("gcn", True, parts, tmp_path / "gcn-4", nonzero_rows="on", layers=4, norm="batch"))
+    results = run_ranks(2, configs)
+    for i, config in enumerate(configs):
+        reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
+
+
+def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
+    nonzero = []
+    for i, variant in enumerate(VARIANTS):
+        model, precompute = variant["model"], variant["precompute"]
+        overrides = dict(p=0.6, dropout=0.5, hidden=32, epochs=3) | {k: v for k, v in variant.items() if k not in ("model", "precompute")}
+        nonzero.append(reference.exact_config(model, precompute, parts, tmp_path / f"nonzero-{i}", nonzero_rows="on", **overrides))
+    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
+    results = run_ranks(2, nonzero + dense, instrument=record_gradients)
+    for i, (a, b) in enumerate(zip(nonzero, dense)):
+        label = VARIANTS[i]
+        assert _losses(a) == _losses(b), label
+        for rank in range(2):
+            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
+            for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
+                for ga, gb in zip(grads_a, grads_b, strict=True):
+                    np.testing.assert_array_equal(ga, gb, err_msg=str(label))
+            for name in run_a["params"]:
+                np.testing.assert_array_equal(run_a["params"][name], run_b["params"][name], err_msg=f"{label} {name}")
+        for ra, rb in zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]):
+            for kind in ("features", "gradients"):
+                sent_nonzero, sent_dense = ra["per_epoch"][f"sent_{kind}"], rb["per_epoch"][f"sent_{kind}"]
+                if a.model == "gat":
+                    assert sent_nonzero == sent_dense, (label, kind)
+                else:  # a quarter of the hidden rows' entries is nonzero, about
+                    assert sent_nonzero < 0.8 * sent_dense, (label, kind, sent_nonzero, sent_dense)
+
+
+@pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])
+def test_auto_is_on_when_the_job_spans_machines(keys, expected):
+    from bnsgcn.comm import Nodes
+    from bnsgcn.exchange import resolve_nonzero_rows
+
+    class TwoRanks:
+        nodes = Nodes.from_keys(keys)
+
+    assert resolve_nonzero_rows("auto", TwoRanks()) == expected
+    assert resolve_nonzero_rows("off", TwoRanks()) == "off" and resolve_nonzero_rows("on", TwoRanks()) == "on"
