@@ -118,3 +118,28 @@ def test_sampled_adjacency_selection_on_cuda_does_not_synchronise():
     for name in Adjacency.__slots__:
         a, b = getattr(selected, name), getattr(expected, name)
         assert torch.equal(a.cpu(), b) if isinstance(a, torch.Tensor) else a == b, name
+
+
+def test_nonzero_rows_kernels_on_cuda_equal_the_cpu_ones():
+    """--nonzero-rows on a GPU: the pure-torch kernels (cumulative sums, no host read) give
+    the numba kernels' bitmaps, entries, rows and gradients."""
+    from bnsgcn.kernels import numba_backend, torch_backend
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(500, 37, generator=generator)
+    x[torch.rand(500, 37, generator=generator) < 0.7] = 0.0
+    index = torch.randint(0, 500, (400,), generator=generator)
+    grads = torch.randn(400, 37, generator=generator)
+    results = {}
+    for name, module, device in (("cpu", numba_backend, "cpu"), ("cuda", torch_backend, "cuda")):
+        bits = torch.empty(400, 5, dtype=torch.uint8, device=device)
+        values = torch.empty(400 * 37, device=device)
+        offsets = module.pack_nonzero_rows(x.to(device), index.to(device), bits, values)
+        count = int(offsets[-1])
+        rows = module.unpack_nonzero_rows(bits, torch.cat([values[:count], values.new_zeros(1)]), torch.empty(400, 37, device=device))
+        gathered = module.gather_nonzero(grads.to(device), bits, torch.empty(count + 1, device=device))
+        scattered = module.scatter_nonzero_rows(index.to(device), bits, torch.cat([gathered, gathered.new_zeros(1)]), (500, 37))
+        results[name] = [t.cpu() for t in (bits, offsets, values[:count], rows, gathered, scattered)]
+    for a, b in zip(results["cpu"][:5], results["cuda"][:5]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(results["cuda"][5], results["cpu"][5])  # index_add_ on the GPU sums in its own order
