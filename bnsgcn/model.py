@@ -75,12 +75,13 @@ class GNN(nn.Module):
     instead of keeping them. Further, the forward pass runs as *segments*, each a
     :func:`bnsgcn.recompute.recomputed`: a segment keeps only its input and recomputes
     its inside in backward (dropout masks too: the random state is restored). Always, a
-    layer that multiplies first and aggregates few columns (``cheap_to_recompute``: the
-    output layer, [n_inner, hidden] -> [n_inner, classes]) is one segment with the norm
-    before it: it keeps ``y`` [n_inner, hidden] instead of ``y``, the mask and ``h``, and
-    its recomputation runs the norm and the layer's dense products only (the aggregation
-    keeps nothing for backward, and the layer's output is not used again). With
-    ``remat`` (``--remat``) every layer is a segment, together with the norm, activation
+    hidden layer that multiplies first and aggregates few columns (``cheap_to_recompute``:
+    [n_inner, d_in] -> [n_inner, d_out] with d_out < d_in) is one segment with the norm
+    before it: it keeps ``y`` [n_inner, d_in] instead of ``y``, the mask and ``h``. Not the
+    output layer, though it multiplies first too: its backward runs first, while all that
+    forward kept is alive, so recomputing it there lowers no peak (measured: the same peak
+    RSS per rank on the reference graph, docs/benchmarks.md) and costs a norm and a GEMM
+    per step. With ``remat`` (``--remat``) every layer is a segment, together with the norm, activation
     and dropout before it (unless the norm is ``batch``, whose statistics are all-reduced:
     it stays outside). A segment of layer ``l`` then keeps ``y_{l-1}`` [n_inner, d] (the
     previous layer's output) instead of ``h_{l-1}``, the norm's input and mask, and the
@@ -125,7 +126,7 @@ class GNN(nn.Module):
             if not last:
                 self.norms.append(_norm(config.norm, d_out, reduce))
             d_in = d_out
-        # Recomputed for backward, an output layer that multiplies first needs only its dense
+        # Recomputed for backward (--remat), an output layer that multiplies first needs only its dense
         # products: its aggregation keeps nothing, and its output goes unused (see _layer).
         self.replay_skips_aggregation = [i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
         # A hidden layer followed by the fused layer norm + ReLU leaves its bias to that pass
@@ -147,8 +148,8 @@ class GNN(nn.Module):
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
         self.kept_for_recompute = []
         # layers recomputed in backward even without remat (see the class docstring)
-        always = [False] + [layer.cheap_to_recompute for layer in self.layers[1:]]
         last = len(self.layers) - 1
+        always = [0 < i < last and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
         if self.training and torch.is_grad_enabled() and g is not None:
             # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
             g.keep_rows(frozenset(i for i, cheap in enumerate(always) if (self.remat or cheap) and not self.replay_skips_aggregation[i]))
