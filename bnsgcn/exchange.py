@@ -74,7 +74,7 @@ def empty_plan(topology: Topology, device: torch.device) -> ExchangePlan:
 def resolve_nonzero_rows(setting: str, comm: Comm) -> str:
     """``--nonzero-rows auto`` is on when the job spans several machines: between them the
     bytes saved cost more than packing and unpacking the rows; over one machine's loopback
-    or NVLink they do not (docs/benchmarks.md, "Rows as their nonzero entries")."""
+    or NVLink they do not (docs/benchmarks.md, "Results: rows as their nonzero entries")."""
     if setting == "auto":
         return "on" if comm.nodes.count > 1 else "off"
     return setting
