@@ -257,7 +257,8 @@ class NonzeroPattern:
     what its backward needs to send and place the gradients of those entries alone.
 
     ``width``: entries per row (d); ``sent_bits`` uint8 [len(plan.send_index), ceil(d / 8)]
-    and ``received_bits`` uint8 [plan.num_received, ceil(d / 8)]: one bit per entry, set
+    and ``received_bits`` uint8 [sum(plan.recv_counts), ceil(d / 8)] (the rows that crossed
+    to this rank; a node-aware plan relays more, whole): one bit per entry, set
     where it is nonzero (bit j % 8 of byte j // 8); ``sent_counts[q]`` /
     ``received_counts[q]``: nonzero entries sent to / received from rank q.
     """
@@ -275,9 +276,10 @@ def start_nonzero_rows(
     """Start moving the rows ``plan`` sends from ``x_inner`` [n_inner, d] as their nonzero
     entries and a bitmap (exact): a row after a ReLU and dropout 0.5 is about a quarter
     nonzero, so about 28% of its bytes cross. Each rank first learns how many entries each
-    owner sends it (a small all-to-all, waited for), then bitmaps and entries travel.
-    Returns both works, the buffer the entries land in (a spare slot at its end, see
-    :func:`finish_nonzero_rows`) and the pattern backward needs."""
+    owner sends it (a small all-to-all, waited for), then bitmaps and entries travel. In a
+    node-aware plan this is the first stage, the one that crosses machines; the relay inside
+    the node hands the rows on whole (:func:`finish_nonzero_rows`). Returns both works, the
+    buffer the entries land in (a spare slot at its end) and the pattern backward needs."""
     backend = kernel_backend(x_inner.device)
     width = x_inner.shape[1]
     sent_bits = torch.empty((plan.send_index.numel(), (width + 7) // 8), dtype=torch.uint8, device=x_inner.device)
@@ -288,28 +290,41 @@ def start_nonzero_rows(
     received = torch.empty(len(plan.recv_counts), dtype=torch.int64, device=comm.device)
     comm.all_to_all(sent, [1] * sent.numel(), [1] * received.numel(), received, category)
     sent_counts, received_counts = sent.tolist(), received.tolist()  # the all-to-alls' sizes
-    received_bits = torch.empty((plan.num_received, sent_bits.shape[1]), dtype=torch.uint8, device=x_inner.device)
+    received_bits = torch.empty((sum(plan.recv_counts), sent_bits.shape[1]), dtype=torch.uint8, device=x_inner.device)
     bits_work = comm.all_to_all_start(sent_bits, plan.send_counts, plan.recv_counts, received_bits, category)
     arrived = values_buffer.view((sum(received_counts) + 1,), x_inner.dtype, x_inner.device)
     values_work = comm.all_to_all_start(values[: sum(sent_counts)], sent_counts, received_counts, arrived[:-1], category)
     return (bits_work, values_work), arrived, NonzeroPattern(width, sent_bits, sent_counts, received_bits, received_counts)
 
 
-def finish_nonzero_rows(comm: Comm, works: tuple[object, object], arrived: torch.Tensor, pattern: NonzeroPattern, out: torch.Tensor, category: str) -> torch.Tensor:
-    """Wait for rows started by :func:`start_nonzero_rows` and write them whole into ``out``
-    [plan.num_received, d]."""
+def finish_nonzero_rows(
+    comm: Comm, plan: ExchangePlan, works: tuple[object, object], arrived: torch.Tensor, pattern: NonzeroPattern, out: torch.Tensor, send_buffer: Buffer, category: str
+) -> torch.Tensor:
+    """Wait for rows started by :func:`start_nonzero_rows`, write them whole into ``out``
+    [plan.num_received, d] and relay them inside the node (whole, as
+    :func:`finish_rows` does); returns them in column order."""
     for work in works:
         comm.wait(work, category)
-    return kernel_backend(out.device).unpack_nonzero_rows(pattern.received_bits, arrived, out)
+    kernel_backend(out.device).unpack_nonzero_rows(pattern.received_bits, arrived, out[: sum(plan.recv_counts)])
+    if plan.relay is None:
+        return out
+    comm.wait(start_row_relay(comm, plan, out, send_buffer, category), category)
+    return out.index_select(0, plan.relay.order)
 
 
-def start_nonzero_grads(comm: Comm, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
+def start_nonzero_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Start sending the gradients of the received rows' nonzero entries to their owners;
-    the rest need none (see :meth:`BoundaryExchange.start`). Returns the work, the entries
-    being sent and the buffer the owner's arrive in (a spare slot at its end)."""
+    the rest need none (see :meth:`BoundaryExchange.start`). In a node-aware plan the
+    relayed rows' gradients first come back whole and are summed (as :func:`start_grads`
+    does). Returns the work, the entries being sent and the buffer the owner's arrive in
+    (a spare slot at its end)."""
     device, dtype = grad_rows.device, grad_rows.dtype
+    grad_rows = grad_rows.contiguous()
+    if plan.relay is not None:
+        work, arrived = start_grad_relay(comm, plan, grad_rows, buffers)
+        grad_rows = finish_grad_relay(comm, plan, work, arrived, buffers)
     values = buffers.send.view((sum(pattern.received_counts) + 1,), dtype, device)
-    values = kernel_backend(device).gather_nonzero(grad_rows.contiguous(), pattern.received_bits, values)
+    values = kernel_backend(device).gather_nonzero(grad_rows, pattern.received_bits, values)
     received = buffers.recv.view((sum(pattern.sent_counts) + 1,), dtype, device)
     work = comm.all_to_all_start(values, pattern.received_counts, pattern.sent_counts, received[:-1], "gradients")
     return work, values, received
@@ -384,15 +399,15 @@ class BoundaryExchange:
         or of dropout after one, is zero exactly where its backward passes nothing). The
         rows then cross as their nonzero entries (:func:`start_nonzero_rows`), and their
         gradients at those entries alone: the same result in fewer bytes, unless this
-        exchange was made with ``nonzero_rows=False``, compresses (its wire formats are
-        not exact) or relays inside nodes.
+        exchange was made with ``nonzero_rows=False`` or compresses (its wire formats are
+        not exact). A relay inside the node hands the rows on whole.
         """
         recv = self.recv_buffers.setdefault(slot, Buffer())
         flight = InFlightRows(self, plan, category)
         if category != "evaluation":
             flight.rows_format, flight.grads_format = self.rows_format, self.grads_format
         flight.nonzero = (
-            zeros_need_no_gradient and self.nonzero_rows and plan.relay is None and x_inner.dim() == 2 and flight.rows_format.exact and flight.grads_format.exact
+            zeros_need_no_gradient and self.nonzero_rows and x_inner.dim() == 2 and flight.rows_format.exact and flight.grads_format.exact
         )
         flight.token = _Send.apply(x_inner, flight, recv)
         return flight
@@ -471,7 +486,7 @@ class _Receive(torch.autograd.Function):
         exchange = flight.exchange
         if flight.pattern is not None:
             out = flight.rows_buffer.view((flight.plan.num_received, *flight.row), flight.dtype, flight.arrived.device)
-            rows = finish_nonzero_rows(exchange.comm, flight.work, flight.arrived, flight.pattern, out, flight.category)
+            rows = finish_nonzero_rows(exchange.comm, flight.plan, flight.work, flight.arrived, flight.pattern, out, exchange.send_buffer, flight.category)
             flight.rows_buffer = None
         else:
             rows = finish_rows(exchange.comm, flight.plan, flight.work, flight.arrived, exchange.send_buffer, flight.rows_format, flight.row, flight.dtype, flight.category)
@@ -483,7 +498,7 @@ class _Receive(torch.autograd.Function):
         flight = ctx.flight
         exchange = flight.exchange
         if flight.pattern is not None:
-            flight.work, flight.grads_sent, flight.grads_received = start_nonzero_grads(exchange.comm, grad_rows, flight.pattern, exchange.grad_buffers)
+            flight.work, flight.grads_sent, flight.grads_received = start_nonzero_grads(exchange.comm, flight.plan, grad_rows, flight.pattern, exchange.grad_buffers)
         else:
             flight.work, flight.grads_sent, flight.grads_received = start_grads(exchange.comm, flight.plan, grad_rows, flight.grads_format, exchange.grad_buffers)
         return grad_rows.new_zeros(0), None

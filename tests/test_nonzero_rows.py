@@ -12,6 +12,9 @@ and its gradient at those entries alone.
 * Two ranks, whole runs with sampling and dropout: the same losses, gradients at every step
   and final parameters, bit for bit, as ``--nonzero-rows off``; fewer feature and gradient
   bytes for GraphSAGE and GCN, the same for GAT (it exchanges projections).
+* Four ranks on two emulated machines, node-aware exchange (rows cross machines as nonzero
+  entries, and are relayed inside the machine whole): the same, in fewer bytes between
+  machines.
 * ``auto`` is on exactly when the job spans several machines.
 """
 
@@ -66,8 +69,12 @@ def test_rows_arrive_whole_and_gradients_reach_the_nonzero_entries(width):
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    graph = random_graph(num_nodes=900, avg_degree=6, features=24, seed=21)
+def graph():
+    return random_graph(num_nodes=900, avg_degree=6, features=24, seed=21)
+
+
+@pytest.fixture(scope="module")
+def parts(graph, tmp_path_factory):
     return partition(graph, 2, tmp_path_factory.mktemp("nonzero") / "parts", method="random")
 
 
@@ -119,6 +126,29 @@ def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
                     assert sent_nonzero == sent_dense, (label, kind)
                 else:  # a quarter of the hidden rows' entries is nonzero, about
                     assert sent_nonzero < 0.8 * sent_dense, (label, kind, sent_nonzero, sent_dense)
+
+
+def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
+    parts = partition(graph, 4, tmp_path / "parts", method="random")
+    base = dict(p=0.7, dropout=0.5, hidden=32, epochs=3, exchange="hierarchical")
+    nonzero = [
+        reference.exact_config("graphsage", True, parts, tmp_path / "nonzero-sage", nonzero_rows="on", **base),
+        reference.exact_config("gcn", False, parts, tmp_path / "nonzero-gcn", nonzero_rows="on", remat=True, **base),
+    ]
+    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
+    results = run_ranks(4, nonzero + dense, nodes=[0, 0, 1, 1], instrument=record_gradients)
+    for i, (a, b) in enumerate(zip(nonzero, dense)):
+        assert _losses(a) == _losses(b), a.model
+        for rank in range(4):
+            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
+            for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
+                for ga, gb in zip(grads_a, grads_b, strict=True):
+                    np.testing.assert_array_equal(ga, gb, err_msg=a.model)
+        for ra, rb in zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]):
+            assert ra["per_epoch"]["intra_node_features"] > 0  # rows were relayed inside the machine
+            for kind in ("features", "gradients"):
+                across_a, across_b = ra["per_epoch"][f"inter_node_{kind}"], rb["per_epoch"][f"inter_node_{kind}"]
+                assert across_a < 0.8 * across_b, (a.model, kind, across_a, across_b)
 
 
 @pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])
