@@ -101,31 +101,39 @@ def test_at_p1_runs_match_the_dense_reference(tmp_path):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
 
 
+def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None = None) -> list[tuple]:
+    """Run ``nonzero`` (``--nonzero-rows on``) and the same configs with ``off``; assert the
+    same losses, every step's gradients and the final parameters, bit for bit, on every
+    rank; return the pairs of runs' reports (rank by rank)."""
+    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
+    results = run_ranks(world, nonzero + dense, nodes=nodes, instrument=record_gradients)
+    for i, (a, b) in enumerate(zip(nonzero, dense)):
+        label = f"{a.model} precompute={a.use_precompute} norm={a.norm} remat={a.remat} layers={a.layers}"
+        assert _losses(a) == _losses(b), label
+        for rank in range(world):
+            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
+            for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
+                for ga, gb in zip(grads_a, grads_b, strict=True):
+                    np.testing.assert_array_equal(ga, gb, err_msg=label)
+            for name in run_a["params"]:
+                np.testing.assert_array_equal(run_a["params"][name], run_b["params"][name], err_msg=f"{label} {name}")
+    return [(a, list(zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]))) for a, b in zip(nonzero, dense)]
+
+
 def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
     nonzero = []
     for i, variant in enumerate(VARIANTS):
         model, precompute = variant["model"], variant["precompute"]
         overrides = dict(p=0.6, dropout=0.5, hidden=32, epochs=3) | {k: v for k, v in variant.items() if k not in ("model", "precompute")}
         nonzero.append(reference.exact_config(model, precompute, parts, tmp_path / f"nonzero-{i}", nonzero_rows="on", **overrides))
-    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
-    results = run_ranks(2, nonzero + dense, instrument=record_gradients)
-    for i, (a, b) in enumerate(zip(nonzero, dense)):
-        label = VARIANTS[i]
-        assert _losses(a) == _losses(b), label
-        for rank in range(2):
-            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
-            for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
-                for ga, gb in zip(grads_a, grads_b, strict=True):
-                    np.testing.assert_array_equal(ga, gb, err_msg=str(label))
-            for name in run_a["params"]:
-                np.testing.assert_array_equal(run_a["params"][name], run_b["params"][name], err_msg=f"{label} {name}")
-        for ra, rb in zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]):
+    for config, rank_reports in _run_against_dense_rows(nonzero, 2):
+        for ra, rb in rank_reports:
             for kind in ("features", "gradients"):
                 sent_nonzero, sent_dense = ra["per_epoch"][f"sent_{kind}"], rb["per_epoch"][f"sent_{kind}"]
-                if a.model == "gat":
-                    assert sent_nonzero == sent_dense, (label, kind)
+                if config.model == "gat":
+                    assert sent_nonzero == sent_dense, kind
                 else:  # a quarter of the hidden rows' entries is nonzero, about
-                    assert sent_nonzero < 0.8 * sent_dense, (label, kind, sent_nonzero, sent_dense)
+                    assert sent_nonzero < 0.8 * sent_dense, (config.model, kind, sent_nonzero, sent_dense)
 
 
 def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
@@ -135,20 +143,12 @@ def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
         reference.exact_config("graphsage", True, parts, tmp_path / "nonzero-sage", nonzero_rows="on", **base),
         reference.exact_config("gcn", False, parts, tmp_path / "nonzero-gcn", nonzero_rows="on", remat=True, **base),
     ]
-    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
-    results = run_ranks(4, nonzero + dense, nodes=[0, 0, 1, 1], instrument=record_gradients)
-    for i, (a, b) in enumerate(zip(nonzero, dense)):
-        assert _losses(a) == _losses(b), a.model
-        for rank in range(4):
-            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
-            for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
-                for ga, gb in zip(grads_a, grads_b, strict=True):
-                    np.testing.assert_array_equal(ga, gb, err_msg=a.model)
-        for ra, rb in zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]):
+    for config, rank_reports in _run_against_dense_rows(nonzero, 4, nodes=[0, 0, 1, 1]):
+        for ra, rb in rank_reports:
             assert ra["per_epoch"]["intra_node_features"] > 0  # rows were relayed inside the machine
             for kind in ("features", "gradients"):
                 across_a, across_b = ra["per_epoch"][f"inter_node_{kind}"], rb["per_epoch"][f"inter_node_{kind}"]
-                assert across_a < 0.8 * across_b, (a.model, kind, across_a, across_b)
+                assert across_a < 0.8 * across_b, (config.model, kind, across_a, across_b)
 
 
 @pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])
