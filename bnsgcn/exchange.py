@@ -185,10 +185,21 @@ def start_row_relay(comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_
     return comm.all_to_all_start(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True, pipelined=pipelined)
 
 
+def in_column_order(plan: ExchangePlan, rows: torch.Tensor) -> torch.Tensor:
+    """Both stages' rows [plan.num_received, *row], as they arrived, in column order."""
+    return rows if plan.relay is None else rows.index_select(0, plan.relay.order)
+
+
 def decode_rows(plan: ExchangePlan, arrived: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Both stages' rows, all arrived, decoded: [plan.num_received, *row] in column order."""
-    rows = wire.decode(arrived, row, dtype)
-    return rows if plan.relay is None else rows.index_select(0, plan.relay.order)
+    return in_column_order(plan, wire.decode(arrived, row, dtype))
+
+
+def relay_rows(comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_buffer: Buffer, category: str) -> None:
+    """Once the first stage has arrived in ``arrived``, relay its rows inside the node and
+    wait for the second stage (nothing without a relay)."""
+    if plan.relay is not None:
+        comm.wait(start_row_relay(comm, plan, arrived, send_buffer, category), category)
 
 
 def finish_rows(
@@ -196,8 +207,7 @@ def finish_rows(
 ) -> torch.Tensor:
     """Wait for rows started by :func:`start_rows`, relay them inside the node, decode them."""
     comm.wait(work, category)
-    if plan.relay is not None:
-        comm.wait(start_row_relay(comm, plan, arrived, send_buffer, category), category)
+    relay_rows(comm, plan, arrived, send_buffer, category)
     return decode_rows(plan, arrived, wire, row, dtype)
 
 
@@ -233,15 +243,20 @@ def start_first_grads(comm: Comm, plan: ExchangePlan, first_grads: torch.Tensor,
     return work, first_grads, received
 
 
+def first_stage_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, buffers: GradBuffers) -> torch.Tensor:
+    """The gradients of the rows that crossed to this rank [sum(plan.recv_counts), *row]
+    from those of all received rows ``grad_rows`` (column order): with a relay, the relayed
+    rows' gradients sent back inside the node (waited for) and summed."""
+    grad_rows = grad_rows.contiguous()
+    if plan.relay is None:
+        return grad_rows[: sum(plan.recv_counts)]
+    work, arrived = start_grad_relay(comm, plan, grad_rows, buffers)
+    return finish_grad_relay(comm, plan, work, arrived, buffers)
+
+
 def start_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Relay (inside the node, waited for) and start the first stage: see :func:`start_first_grads`."""
-    grad_rows = grad_rows.contiguous()
-    if plan.relay is not None:
-        work, arrived = start_grad_relay(comm, plan, grad_rows, buffers)
-        first_grads = finish_grad_relay(comm, plan, work, arrived, buffers)
-    else:
-        first_grads = grad_rows[: sum(plan.recv_counts)]
-    return start_first_grads(comm, plan, first_grads, wire, buffers)
+    return start_first_grads(comm, plan, first_stage_grads(comm, plan, grad_rows, buffers), wire, buffers)
 
 
 def finish_grads(comm: Comm, work, received: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -306,25 +321,19 @@ def finish_nonzero_rows(
     for work in works:
         comm.wait(work, category)
     kernel_backend(out.device).unpack_nonzero_rows(pattern.received_bits, arrived, out[: sum(plan.recv_counts)])
-    if plan.relay is None:
-        return out
-    comm.wait(start_row_relay(comm, plan, out, send_buffer, category), category)
-    return out.index_select(0, plan.relay.order)
+    relay_rows(comm, plan, out, send_buffer, category)
+    return in_column_order(plan, out)
 
 
 def start_nonzero_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Start sending the gradients of the received rows' nonzero entries to their owners;
     the rest need none (see :meth:`BoundaryExchange.start`). In a node-aware plan the
-    relayed rows' gradients first come back whole and are summed (as :func:`start_grads`
-    does). Returns the work, the entries being sent and the buffer the owner's arrive in
+    relayed rows' gradients first come back whole and are summed (:func:`first_stage_grads`). Returns the work, the entries being sent and the buffer the owner's arrive in
     (a spare slot at its end)."""
     device, dtype = grad_rows.device, grad_rows.dtype
-    grad_rows = grad_rows.contiguous()
-    if plan.relay is not None:
-        work, arrived = start_grad_relay(comm, plan, grad_rows, buffers)
-        grad_rows = finish_grad_relay(comm, plan, work, arrived, buffers)
+    first_grads = first_stage_grads(comm, plan, grad_rows, buffers)
     values = buffers.send.view((sum(pattern.received_counts) + 1,), dtype, device)
-    values = kernel_backend(device).gather_nonzero(grad_rows, pattern.received_bits, values)
+    values = kernel_backend(device).gather_nonzero(first_grads, pattern.received_bits, values)
     received = buffers.recv.view((sum(pattern.sent_counts) + 1,), dtype, device)
     work = comm.all_to_all_start(values, pattern.received_counts, pattern.sent_counts, received[:-1], "gradients")
     return work, values, received

@@ -496,7 +496,7 @@ def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
     return out
 
 
-# Rows as their nonzero entries (the exchange's sparse rows): a bitmap per row, bit j % 8 of
+# Rows as their nonzero entries (the exchange's --nonzero-rows): a bitmap per row, bit j % 8 of
 # byte j // 8 set where entry j is nonzero, and the nonzero entries in row-major order. Each
 # kernel is one serial pass. No branch depends on the data: an entry is read or written at
 # the current position whatever its bit, and the position moves on by the bit (a branch per
