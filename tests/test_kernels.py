@@ -142,6 +142,28 @@ def test_spmm_add_matches_dense_in_place(backend, weighted):
     torch.testing.assert_close(plain, y.detach())
 
 
+@pytest.mark.parametrize("width", [*numba_backend._CONSTANT_WIDTHS, 17])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_spmm_at_the_widths_compiled_as_constants(backend, width, weighted, dtype):
+    """Widths the numba product is compiled for as constants, and one it is not: the
+    product, its transpose (the gradient) and the in-place add, with both degree scales,
+    against the dense product."""
+    dense, pattern = make_case(30, 45, weighted, dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    r, c = torch.rand(30, generator=g, dtype=dtype) + 0.5, torch.rand(45, generator=g, dtype=dtype) + 0.5
+    scaled = r[:, None] * dense * c[None, :]
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for adj, matrix in ((pattern, dense), (Adjacency.from_csr(pattern.indptr, pattern.indices, 45, pattern.values, row_scale=r, col_scale=c), scaled)):
+        x = torch.randn(45, width, generator=g, dtype=dtype, requires_grad=True)
+        y = spmm(adj, x)
+        torch.testing.assert_close(y, matrix @ x.detach(), **tolerance)
+        dy = torch.randn(30, width, generator=g, dtype=dtype)
+        torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], matrix.T @ dy, **tolerance)
+        base = torch.randn(30, width, generator=g, dtype=dtype)
+        torch.testing.assert_close(spmm_add_(base.clone(), adj, x.detach()), base + matrix @ x.detach(), **tolerance)
+
+
 def test_spmm_add_rejects_a_base_of_the_wrong_shape():
     _, adj = make_case(10, 8, True, torch.float32)
     with pytest.raises(ValueError, match="base of shape"):

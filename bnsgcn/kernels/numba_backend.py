@@ -40,6 +40,8 @@ _FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 _BLOCKS_PER_THREAD = 16
 # Entries ahead whose gathered feature row is prefetched (hides DRAM latency of random rows).
 _PREFETCH_DISTANCE = 8
+# Row widths the sparse product is compiled for as constants (:func:`_spmm_kernel`).
+_CONSTANT_WIDTHS = (64, 128)
 # Below this much work (entries x row width) a call runs on one thread: waking threads costs more.
 _ONE_THREAD_WORK = 1 << 18
 
@@ -134,48 +136,70 @@ def _prefetch_gathered(x, indices, j, nnz, d):
 
 
 @njit(cache=True, inline="always")
-def _entry_weight(values, weighted, col_scale, col_scaled, row_factor, j, u):
-    """``r_v * values[j] * c_u``: the entry's weight, with the row's factor already taken."""
-    a = row_factor
-    if weighted:
-        a *= values[j]
+def _entry_weight(values, weighted, col_scale, col_scaled, j, u):
+    """``values[j] * c_u``: the entry's weight, the row's factor left out (applied once per row)."""
+    a = values[j] if weighted else values.dtype.type(1)
     if col_scaled:
         a *= col_scale[u]
     return a
 
 
-@_row_parallel(fastmath=_FASTMATH)
-def _spmm_kernel(indptr, indices, values, weighted, row_scale, row_scaled, col_scale, col_scaled, x, accumulate, out, n_blocks):
-    """``out (+)= diag(row_scale) P diag(col_scale) x``; scales are applied per entry (a
-    scalar product each), so accumulating into ``out`` needs no temporary row."""
-    nnz, d = indices.shape[0], x.shape[1]
-    one = x.dtype.type(1)
-    for block in prange(n_blocks):
-        for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
-            out_row = out[v]
-            if not accumulate:
-                out_row[:] = 0
-            start, end = indptr[v], indptr[v + 1]
-            r = row_scale[v] if row_scaled else one
-            # Two entries per pass over out_row: half its loads and stores, which otherwise
-            # bound the loop once the gathered rows are in cache (10-14% faster here).
-            for j in range(start, end - 1, 2):
-                _prefetch_gathered(x, indices, j, nnz, d)
-                _prefetch_gathered(x, indices, j + 1, nnz, d)
-                u, u_next = indices[j], indices[j + 1]
-                x_row, x_next = x[u], x[u_next]
-                a = _entry_weight(values, weighted, col_scale, col_scaled, r, j, u)
-                a_next = _entry_weight(values, weighted, col_scale, col_scaled, r, j + 1, u_next)
+@functools.cache
+def _spmm_kernel(width: int) -> _RowParallel:
+    """The sparse product's kernel for rows of ``width`` floats; 0: any width (read from
+    ``x``). A width in :data:`_CONSTANT_WIDTHS` is a constant of the compiled code, whose
+    row loops LLVM then unrolls: 10-20% faster at 64 and 128 here, slower at 16."""
+
+    @_row_parallel(fastmath=_FASTMATH)
+    def kernel(indptr, indices, values, weighted, row_scale, row_scaled, col_scale, col_scaled, x, accumulate, out, n_blocks):
+        """``out (+)= diag(row_scale) P diag(col_scale) x``. Each row is summed in a row-sized
+        buffer that stays in L1 and written once, scaled by its row factor: unweighted
+        entries are added without a multiplication (10-30% faster than scaling each entry
+        into ``out``, most on rows of few entries)."""
+        nnz = indices.shape[0]
+        d = width if width else x.shape[1]
+        per_entry = weighted or col_scaled
+        one = x.dtype.type(1)
+        for block in prange(n_blocks):
+            total = np.empty(d, dtype=x.dtype)
+            for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
                 for k in range(d):
-                    out_row[k] += a * x_row[k] + a_next * x_next[k]
-            if (end - start) % 2 == 1:
-                last = end - 1
-                _prefetch_gathered(x, indices, last, nnz, d)
-                u = indices[last]
-                x_row = x[u]
-                a = _entry_weight(values, weighted, col_scale, col_scaled, r, last, u)
-                for k in range(d):
-                    out_row[k] += a * x_row[k]
+                    total[k] = 0
+                start, end = indptr[v], indptr[v + 1]
+                # Two entries per pass over the total: half its loads and stores
+                if per_entry:
+                    for j in range(start, end - 1, 2):
+                        _prefetch_gathered(x, indices, j, nnz, d)
+                        _prefetch_gathered(x, indices, j + 1, nnz, d)
+                        u, u_next = indices[j], indices[j + 1]
+                        x_row, x_next = x[u], x[u_next]
+                        a = _entry_weight(values, weighted, col_scale, col_scaled, j, u)
+                        a_next = _entry_weight(values, weighted, col_scale, col_scaled, j + 1, u_next)
+                        for k in range(d):
+                            total[k] += a * x_row[k] + a_next * x_next[k]
+                else:
+                    for j in range(start, end - 1, 2):
+                        _prefetch_gathered(x, indices, j, nnz, d)
+                        _prefetch_gathered(x, indices, j + 1, nnz, d)
+                        x_row, x_next = x[indices[j]], x[indices[j + 1]]
+                        for k in range(d):
+                            total[k] += x_row[k] + x_next[k]
+                if (end - start) % 2 == 1:
+                    u = indices[end - 1]
+                    x_row = x[u]
+                    a = _entry_weight(values, weighted, col_scale, col_scaled, end - 1, u)
+                    for k in range(d):
+                        total[k] += a * x_row[k]
+                r = row_scale[v] if row_scaled else one
+                out_row = out[v]
+                if accumulate:
+                    for k in range(d):
+                        out_row[k] += r * total[k]
+                else:
+                    for k in range(d):
+                        out_row[k] = r * total[k]
+
+    return kernel
 
 
 @_row_parallel(fastmath=_FASTMATH)
@@ -383,7 +407,7 @@ def _spmm_csr(
     accumulate = out is not None
     if out is None:
         out = buffers.empty((n_rows, x.shape[1]), x.dtype)
-    _spmm_kernel(
+    _spmm_kernel(x.shape[1] if x.shape[1] in _CONSTANT_WIDTHS else 0)(
         _array(indptr), _array(indices), _or_empty(values, x.dtype), values is not None, _or_empty(row_scale, x.dtype), row_scale is not None,
         _or_empty(col_scale, x.dtype), col_scale is not None, _array(x), accumulate, out.numpy(), work=indices.numel() * x.shape[1],
     )  # fmt: skip

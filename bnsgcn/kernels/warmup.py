@@ -60,6 +60,8 @@ def exercise() -> None:
     score_dst = torch.randn(n_rows, heads, generator=generator, requires_grad=True)
     attended = gat_aggregate(kept, features, score_src, score_dst, col_weight=torch.rand(kept.n_cols, generator=generator))
     (hidden.sum() + attended.sum()).backward()
+    for constant_width in numba_backend._CONSTANT_WIDTHS:  # the sparse product's builds for these widths
+        spmm(adj, torch.randn(n_cols, constant_width, generator=generator))
     lo, inv_step = torch.zeros(n_rows), torch.ones(n_rows)
     numba_backend.quantize_codes(hidden.detach(), lo, inv_step, 15, generator)
     numba_backend.scatter_rows(torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows)  # the exchange's backward
@@ -87,7 +89,7 @@ def cache_key() -> str:
 def stamp_path() -> Path | None:
     """The stamp that says the kernels are in numba's cache; None where numba caches
     nothing (no writable cache directory): ranks then compile, as without this module."""
-    cache = getattr(numba_backend._spmm_kernel.kernel, "_cache", None)
+    cache = getattr(numba_backend._spmm_kernel(0).kernel, "_cache", None)
     directory = getattr(cache, "_cache_path", None)
     if directory is None:
         return None
