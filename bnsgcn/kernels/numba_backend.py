@@ -144,6 +144,44 @@ def _entry_weight(values, weighted, col_scale, col_scaled, j, u):
     return a
 
 
+@njit(cache=True, inline="always")
+def _add_weighted_entries(target, x, indices, values, weighted, col_scale, col_scaled, factor, start, end, d):
+    """``target += factor * sum_j w_j x[indices[j]]`` over entries ``start..end``, two per pass
+    over ``target`` (half its loads and stores)."""
+    nnz = indices.shape[0]
+    for j in range(start, end - 1, 2):
+        _prefetch_gathered(x, indices, j, nnz, d)
+        _prefetch_gathered(x, indices, j + 1, nnz, d)
+        u, u_next = indices[j], indices[j + 1]
+        x_row, x_next = x[u], x[u_next]
+        a = factor * _entry_weight(values, weighted, col_scale, col_scaled, j, u)
+        a_next = factor * _entry_weight(values, weighted, col_scale, col_scaled, j + 1, u_next)
+        for k in range(d):
+            target[k] += a * x_row[k] + a_next * x_next[k]
+    if (end - start) % 2 == 1:
+        u = indices[end - 1]
+        x_row = x[u]
+        a = factor * _entry_weight(values, weighted, col_scale, col_scaled, end - 1, u)
+        for k in range(d):
+            target[k] += a * x_row[k]
+
+
+@njit(cache=True, inline="always")
+def _add_entries(target, x, indices, start, end, d):
+    """``target += sum_j x[indices[j]]`` over entries ``start..end``, two per pass."""
+    nnz = indices.shape[0]
+    for j in range(start, end - 1, 2):
+        _prefetch_gathered(x, indices, j, nnz, d)
+        _prefetch_gathered(x, indices, j + 1, nnz, d)
+        x_row, x_next = x[indices[j]], x[indices[j + 1]]
+        for k in range(d):
+            target[k] += x_row[k] + x_next[k]
+    if (end - start) % 2 == 1:
+        x_row = x[indices[end - 1]]
+        for k in range(d):
+            target[k] += x_row[k]
+
+
 @functools.cache
 def _spmm_kernel(width: int) -> _RowParallel:
     """The sparse product's kernel for rows of ``width`` floats; 0: any width (read from
@@ -152,46 +190,32 @@ def _spmm_kernel(width: int) -> _RowParallel:
 
     @_row_parallel(fastmath=_FASTMATH)
     def kernel(indptr, indices, values, weighted, row_scale, row_scaled, col_scale, col_scaled, x, accumulate, out, n_blocks):
-        """``out (+)= diag(row_scale) P diag(col_scale) x``. Each row is summed in a row-sized
-        buffer that stays in L1 and written once, scaled by its row factor: unweighted
-        entries are added without a multiplication (10-30% faster than scaling each entry
-        into ``out``, most on rows of few entries)."""
-        nnz = indices.shape[0]
+        """``out (+)= diag(row_scale) P diag(col_scale) x``. Unweighted entries, and any row
+        added into ``out``, are summed in a row-sized buffer that stays in L1 and written
+        once, scaled by the row's factor: no multiplication per entry (forward 128 wide:
+        8-14% faster than scaling each entry into ``out``). Weighted entries of a row that
+        is overwritten go straight into it, the row's factor in each weight: there the
+        buffer's extra pass cost 5-10%."""
         d = width if width else x.shape[1]
         per_entry = weighted or col_scaled
         one = x.dtype.type(1)
         for block in prange(n_blocks):
             total = np.empty(d, dtype=x.dtype)
             for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
-                for k in range(d):
-                    total[k] = 0
                 start, end = indptr[v], indptr[v + 1]
-                # Two entries per pass over the total: half its loads and stores
-                if per_entry:
-                    for j in range(start, end - 1, 2):
-                        _prefetch_gathered(x, indices, j, nnz, d)
-                        _prefetch_gathered(x, indices, j + 1, nnz, d)
-                        u, u_next = indices[j], indices[j + 1]
-                        x_row, x_next = x[u], x[u_next]
-                        a = _entry_weight(values, weighted, col_scale, col_scaled, j, u)
-                        a_next = _entry_weight(values, weighted, col_scale, col_scaled, j + 1, u_next)
-                        for k in range(d):
-                            total[k] += a * x_row[k] + a_next * x_next[k]
-                else:
-                    for j in range(start, end - 1, 2):
-                        _prefetch_gathered(x, indices, j, nnz, d)
-                        _prefetch_gathered(x, indices, j + 1, nnz, d)
-                        x_row, x_next = x[indices[j]], x[indices[j + 1]]
-                        for k in range(d):
-                            total[k] += x_row[k] + x_next[k]
-                if (end - start) % 2 == 1:
-                    u = indices[end - 1]
-                    x_row = x[u]
-                    a = _entry_weight(values, weighted, col_scale, col_scaled, end - 1, u)
-                    for k in range(d):
-                        total[k] += a * x_row[k]
                 r = row_scale[v] if row_scaled else one
                 out_row = out[v]
+                if per_entry and not accumulate:
+                    for k in range(d):
+                        out_row[k] = 0
+                    _add_weighted_entries(out_row, x, indices, values, weighted, col_scale, col_scaled, r, start, end, d)
+                    continue
+                for k in range(d):
+                    total[k] = 0
+                if per_entry:
+                    _add_weighted_entries(total, x, indices, values, weighted, col_scale, col_scaled, one, start, end, d)
+                else:
+                    _add_entries(total, x, indices, start, end, d)
                 if accumulate:
                     for k in range(d):
                         out_row[k] += r * total[k]
