@@ -19,7 +19,7 @@ import torch
 
 from .comm import Comm
 from .compress import EXACT, WireFormat
-from .kernels import buffers, kernel_backend
+from .kernels import Adjacency, buffers, kernel_backend, spmm, spmm_add_
 from .shard import Topology, segment_counts
 
 
@@ -339,11 +339,12 @@ def start_nonzero_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor,
     return work, values, received
 
 
-def finish_nonzero_grads(comm: Comm, work, received: torch.Tensor, pattern: NonzeroPattern, plan: ExchangePlan, n_inner: int) -> torch.Tensor:
+def finish_nonzero_grads(comm: Comm, work, received: torch.Tensor, pattern: NonzeroPattern, plan: ExchangePlan, n_inner: int, into: torch.Tensor | None = None) -> torch.Tensor:
     """Wait for gradients started by :func:`start_nonzero_grads`; returns them added into
-    [n_inner, d] at the rows sent (zero where nothing was sent or an entry was zero)."""
+    [n_inner, d] at the rows sent (zero where nothing was sent or an entry was zero), or
+    into ``into`` in place."""
     comm.wait(work, "gradients")
-    return kernel_backend(received.device).scatter_nonzero_rows(plan.send_index, pattern.sent_bits, received, (n_inner, pattern.width))
+    return kernel_backend(received.device).scatter_nonzero_rows(plan.send_index, pattern.sent_bits, received, (n_inner, pattern.width), into)
 
 
 class GradBuffers:
@@ -411,6 +412,26 @@ class BoundaryExchange:
         exchange was made with ``nonzero_rows=False`` or compresses (its wire formats are
         not exact). A relay inside the node hands the rows on whole.
         """
+        return self._start(x_inner, plan, slot, category, zeros_need_no_gradient)[0]
+
+    def start_aggregating(
+        self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, inner: Adjacency, into: torch.Tensor | None = None,
+        category: str = "features", zeros_need_no_gradient: bool = False,
+    ) -> tuple[InFlightRows, torch.Tensor]:  # fmt: skip
+        """:meth:`start`, and while the rows travel the product of the inner columns'
+        adjacency ``inner`` [n_inner, n_inner] with ``x_inner``: ``A_inner x_inner``
+        [n_inner, *row] (with ``into``, summed into it in place, as
+        :func:`~bnsgcn.kernels.spmm_add_`). Returns both. The product's backward is this
+        exchange's: the gradients that come back for the rows sent are added into
+        ``A_inner^T dY`` in place, so ``x_inner`` receives one gradient from the two uses,
+        not two that autograd sums (a zero-filled [n_inner, *row] written, and a pass to add it).
+        """
+        return self._start(x_inner, plan, slot, category, zeros_need_no_gradient, inner, into)
+
+    def _start(
+        self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str, zeros_need_no_gradient: bool,
+        inner: Adjacency | None = None, into: torch.Tensor | None = None,
+    ) -> tuple[InFlightRows, torch.Tensor]:  # fmt: skip
         recv = self.recv_buffers.setdefault(slot, Buffer())
         flight = InFlightRows(self, plan, category)
         if category != "evaluation":
@@ -418,8 +439,10 @@ class BoundaryExchange:
         flight.nonzero = (
             zeros_need_no_gradient and self.nonzero_rows and x_inner.dim() == 2 and flight.rows_format.exact and flight.grads_format.exact
         )
-        flight.token = _Send.apply(x_inner, flight, recv)
-        return flight
+        # the product is not kept on the flight: the node holds the flight, and a tensor the
+        # node made, held there, would keep the epoch's graph alive past its backward
+        flight.token, product = _Send.apply(x_inner, flight, recv, inner, into)
+        return flight, product
 
 
 class InFlightRows:
@@ -451,13 +474,15 @@ class InFlightRows:
 
 
 class _Send(torch.autograd.Function):
-    """Forward: start the all-to-all of the requested rows (encoded for the wire); returns
-    an empty token that carries the gradient path to :class:`_Receive`. Backward: wait for
-    the gradients that :class:`_Receive`'s backward sent and add them into the owners' rows."""
+    """Forward: start the all-to-all of the requested rows (encoded for the wire), then (given
+    ``inner``) aggregate the inner columns while they travel; returns an empty token that
+    carries the gradient path to :class:`_Receive`, and the inner product (empty without
+    ``inner``). Backward: the inner product's gradient ``A_inner^T dY``, then wait for the
+    gradients that :class:`_Receive`'s backward sent and add them into the owners' rows."""
 
     @staticmethod
-    def forward(ctx, x_inner, flight, recv):  # noqa: D102
-        ctx.flight, ctx.n_inner = flight, x_inner.shape[0]
+    def forward(ctx, x_inner, flight, recv, inner, into):  # noqa: D102
+        ctx.flight, ctx.n_inner, ctx.inner, ctx.into_given = flight, x_inner.shape[0], inner, into is not None
         x_inner = x_inner.detach()
         flight.row, flight.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
         exchange = flight.exchange
@@ -469,19 +494,30 @@ class _Send(torch.autograd.Function):
             flight.rows_buffer = recv
         else:
             flight.work, flight.arrived = start_rows(exchange.comm, x_inner, flight.plan, flight.rows_format, exchange.send_buffer, recv, flight.category)
-        return x_inner.new_empty(0)
+        if inner is None:
+            product = x_inner.new_empty(0)
+            ctx.mark_non_differentiable(product)
+        elif into is None:
+            product = spmm(inner, x_inner)
+        else:
+            product = spmm_add_(into, inner, x_inner)
+            ctx.mark_dirty(into)
+        return x_inner.new_empty(0), product
 
     @staticmethod
-    def backward(ctx, _grad_token):  # noqa: D102
+    def backward(ctx, _grad_token, grad_product):  # noqa: D102
         flight = ctx.flight
         comm = flight.exchange.comm
+        backend = kernel_backend(flight.grads_received.device)
+        # the inner product's gradient first: it runs while the rows' gradients travel
+        grad_x = None if ctx.inner is None or grad_product is None else backend.spmm_transposed(ctx.inner, grad_product.contiguous())
         if flight.pattern is not None:
-            grad_x = finish_nonzero_grads(comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner)
+            grad_x = finish_nonzero_grads(comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner, grad_x)
         else:
             grads = finish_grads(comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
-            grad_x = kernel_backend(grads.device).scatter_rows(flight.plan.send_index, grads, ctx.n_inner)
+            grad_x = backend.scatter_rows(flight.plan.send_index, grads, ctx.n_inner, grad_x)
         flight.work = flight.grads_sent = flight.grads_received = flight.pattern = None
-        return grad_x, None, None
+        return grad_x, None, None, None, grad_product if ctx.into_given else None
 
 
 class _Receive(torch.autograd.Function):

@@ -94,7 +94,24 @@ class EpochGraph:
                 raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
             return _KeptRows(self.kept_rows, slot, None)
         flight = self.exchange.start(x_inner, self.plan, slot, self.traffic, zeros_need_no_gradient=slot in self.nonzero_only_slots)
+        return self._kept(slot, flight)
+
+    def _kept(self, slot: int, flight: InFlightRows) -> InFlightRows | _KeptRows:
+        """``flight``, its rows kept for a recomputation where ``slot`` needs them."""
         return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
+
+    def start_aggregation(self, x_inner: torch.Tensor, slot: int, into: torch.Tensor | None = None) -> tuple[InFlightRows | _KeptRows, torch.Tensor]:
+        """:meth:`start_boundary_rows`, and while the rows travel the inner columns' product
+        ``A_inner x_inner`` [n_inner, d] (with ``into``, summed into it in place). Returns
+        both. A :class:`BoundaryExchange` computes the product in its own autograd node,
+        whose backward adds the rows' returned gradients into the product's gradient
+        (:meth:`BoundaryExchange.start_aggregating`); other exchanges, and a recomputation,
+        run it apart."""
+        if self.replaying or not isinstance(self.exchange, BoundaryExchange):
+            rows = self.start_boundary_rows(x_inner, slot)
+            return rows, spmm(self.inner, x_inner) if into is None else spmm_add_(into, self.inner, x_inner)
+        flight, product = self.exchange.start_aggregating(x_inner, self.plan, slot, self.inner, into, self.traffic, slot in self.nonzero_only_slots)
+        return self._kept(slot, flight), product
 
     def keep_rows(self, slots: frozenset[int]) -> None:
         """Keep the received rows of layer ``slots`` from now on, for :meth:`replay` (only

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .graph import EpochGraph
-from .kernels import gat_aggregate, spmm, spmm_add_
+from .kernels import gat_aggregate, spmm_add_
 from .kernels.dense import linear_sum
 
 
@@ -34,10 +34,9 @@ def aggregate(g: EpochGraph, x: Tensor, slot: int, into: Tensor | None = None) -
     into it in place: ``into + A x`` without a temporary.
 
     The inner columns' product runs while the boundary rows are in flight (and in backward,
-    while their gradients are).
+    while their gradients are), in the exchange's node (:meth:`EpochGraph.start_aggregation`).
     """
-    boundary = g.start_boundary_rows(x, slot)
-    out = spmm(g.inner, x) if into is None else spmm_add_(into, g.inner, x)
+    boundary, out = g.start_aggregation(x, slot, into)
     return spmm_add_(out, g.boundary, boundary.wait())
 
 

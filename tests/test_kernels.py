@@ -606,6 +606,12 @@ def test_scatter_rows_sums_each_row_where_its_index_says(backend, row, dtype):
     with buffers.pooled(pool):
         torch.testing.assert_close(module.scatter_rows(index, rows, n), expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
     assert torch.equal(module.scatter_rows(index[:0], rows[:0], n), torch.zeros(n, *row, dtype=dtype))
+    # added into a given tensor, in place (the exchange adds them into the inner product's gradient)
+    into = torch.randn(n, *row, generator=g, dtype=dtype)
+    summed = module.scatter_rows(index, rows, n, into=into.clone())
+    torch.testing.assert_close(summed, into + expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    target = into.clone()
+    assert module.scatter_rows(index, rows, n, into=target) is target
 
 
 # --- rows as their nonzero entries (the exchange's sparse rows) --------------------------------
@@ -625,7 +631,7 @@ def _bits_by_loop(mask: torch.Tensor) -> torch.Tensor:
 def test_nonzero_rows_round_trip_and_gradients(backend, width, density, dtype):
     """Pack rows ``x[index]`` (repeated and missing indices, exact zeros of both signs) into a
     bitmap and entries, against a loop; unpack them bit for bit; gather a gradient's entries
-    where the bits are set; scatter them back as zero plus each row added at its index, in
+    where the bits are set; scatter them back as zero (or into a given tensor) plus each row added at its index, in
     index order (a loop's sums, bit for bit)."""
     g = torch.Generator().manual_seed(width)
     n, m = 40, 30
@@ -660,4 +666,6 @@ def test_nonzero_rows_round_trip_and_gradients(backend, width, density, dtype):
         expected[target] += torch.where(mask[i], grads[i], torch.zeros((), dtype=dtype))
     with_spare = torch.cat([gathered, torch.tensor([float("nan")], dtype=dtype)])
     assert torch.equal(module.scatter_nonzero_rows(index, bits, with_spare, (n, width)), expected)
+    into = torch.randn(n, width, generator=g, dtype=dtype)
+    torch.testing.assert_close(module.scatter_nonzero_rows(index, bits, with_spare, (n, width), into=into.clone()), into + expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
     assert torch.equal(module.scatter_nonzero_rows(index[:0], bits[:0], with_spare[:1], (n, width)), torch.zeros(n, width, dtype=dtype))

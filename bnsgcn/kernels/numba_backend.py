@@ -523,8 +523,9 @@ def gat_backward(
 
 
 @njit(cache=True)
-def _scatter_rows_kernel(index, rows, out):
-    out[:, :] = 0
+def _scatter_rows_kernel(index, rows, zero_first, out):
+    if zero_first:
+        out[:, :] = 0
     # in index order, one row at a time: a row sent to several ranks sums their gradients
     # in the same order for any data
     for i in range(index.shape[0]):
@@ -533,14 +534,15 @@ def _scatter_rows_kernel(index, rows, out):
             target[k] += source[k]
 
 
-def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
+def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None) -> Tensor:
     """``out`` [n, *row]: zero, plus ``rows[i]`` [m, *row] added at row ``index[i]`` (int64
     [m]; an index may repeat): the gradient of gathering rows ``index`` of an [n, *row]
-    tensor. One pass over ``out`` and one over ``rows``: torch's ``index_add_`` took
+    tensor. With ``into`` (C-contiguous [n, *row]) the rows are added into it instead, in
+    place. One pass over ``out`` and one over ``rows``: torch's ``index_add_`` took
     1.1 ns per element here, after a fill of its own."""
-    out = buffers.empty((n, *rows.shape[1:]), rows.dtype)
+    out = buffers.empty((n, *rows.shape[1:]), rows.dtype) if into is None else into
     width = math.prod(rows.shape[1:])
-    _scatter_rows_kernel(_array(index), _array(rows).reshape(rows.shape[0], width), out.numpy().reshape(n, width))
+    _scatter_rows_kernel(_array(index), _array(rows).reshape(rows.shape[0], width), into is None, out.numpy().reshape(n, width))
     return out
 
 
@@ -628,9 +630,10 @@ def _gather_nonzero_kernel(rows, bits, values):
 
 
 @njit(cache=True)
-def _scatter_nonzero_rows_kernel(index, bits, values, out):
+def _scatter_nonzero_rows_kernel(index, bits, values, zero_first, out):
     zero, position = out.dtype.type(0), 0
-    out[:, :] = zero
+    if zero_first:
+        out[:, :] = zero
     row = np.empty(out.shape[1], dtype=out.dtype)  # one row unpacked, then added whole (vectorised)
     # in index order, as _scatter_rows_kernel: the same sums in the same order
     for i in range(index.shape[0]):
@@ -664,12 +667,12 @@ def gather_nonzero(rows: Tensor, bits: Tensor, values: Tensor) -> Tensor:
     return values[:-1]
 
 
-def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None) -> Tensor:
     """:func:`scatter_rows` of the rows that ``bits`` and ``values`` pack (zero where a bit is
-    clear): ``out`` of ``shape`` [n, d], zero plus row i added at row ``index[i]``; ``values``
-    holds the entries and one spare slot."""
-    out = buffers.empty(shape, values.dtype)
-    _scatter_nonzero_rows_kernel(_array(index), _array(bits), _array(values), out.numpy())
+    clear): ``out`` of ``shape`` [n, d], zero plus row i added at row ``index[i]`` (with
+    ``into``, added into it in place); ``values`` holds the entries and one spare slot."""
+    out = buffers.empty(shape, values.dtype) if into is None else into
+    _scatter_nonzero_rows_kernel(_array(index), _array(bits), _array(values), into is None, out.numpy())
     return out
 
 

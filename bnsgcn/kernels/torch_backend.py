@@ -197,9 +197,11 @@ def gat_backward(
     return dx, d_src, d_dst
 
 
-def scatter_rows(index: Tensor, rows: Tensor, n: int) -> Tensor:
-    """``out`` [n, *row]: zero, plus ``rows[i]`` added at row ``index[i]`` (see the numba backend's)."""
-    return buffers.empty((n, *rows.shape[1:]), rows.dtype, rows.device).zero_().index_add_(0, index, rows)
+def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None) -> Tensor:
+    """``out`` [n, *row]: zero (or ``into``, in place), plus ``rows[i]`` added at row
+    ``index[i]`` (see the numba backend's)."""
+    out = buffers.empty((n, *rows.shape[1:]), rows.dtype, rows.device).zero_() if into is None else into
+    return out.index_add_(0, index, rows)
 
 
 def _pack_bits(mask: Tensor) -> Tensor:
@@ -247,10 +249,10 @@ def gather_nonzero(rows: Tensor, bits: Tensor, values: Tensor) -> Tensor:
     return values[:-1]
 
 
-def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None) -> Tensor:
     """:func:`scatter_rows` of packed rows (see the numba backend's)."""
     rows = torch.zeros((bits.shape[0], shape[1]), dtype=values.dtype, device=values.device)
-    return scatter_rows(index, rows.masked_scatter_(_unpack_bits(bits, shape[1]), values), shape[0])
+    return scatter_rows(index, rows.masked_scatter_(_unpack_bits(bits, shape[1]), values), shape[0], into)
 
 
 def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
