@@ -12,9 +12,10 @@ With 4 KiB pages nearly every gathered row also misses the TLB; starting the pro
 roughly halves the time of a gather-bound kernel (see docs/benchmarks.md).
 
 Compiled specialisations are few: float32 / float64 times the index dtype (int32 unless a
-graph has more than 2^31 - 1 nodes or entries), cached on disk (``cache=True``). Each kernel
-is compiled once, with ``parallel=True``, and runs on one thread or many (see
-:class:`_RowParallel`).
+graph has more than 2^31 - 1 nodes or entries), and for the sparse product rows of 64 and
+128 floats as constants besides any width (:func:`_spmm_kernel`), cached on disk
+(``cache=True``). Each kernel is compiled with ``parallel=True`` and runs on one thread or
+many (see :class:`_RowParallel`).
 """
 
 from __future__ import annotations
