@@ -183,15 +183,23 @@ def _slurm_env() -> dict[str, str]:
     return clean_env(SLURM_CONF=str(SLURM_CONF))
 
 
-def _two_nodes_up(env: dict[str, str]) -> bool:
+def _two_nodes_up(env: dict[str, str], within_s: float = 0.0) -> bool:
+    """Whether n1 and n2 are up (asked again for ``within_s`` seconds: right after the
+    recipe's test job they may still be completing it, longer on a loaded machine)."""
     if shutil.which("sinfo") is None or not SLURM_CONF.is_file():
         return False
-    try:
-        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return False
-    states = dict(line.split() for line in nodes.stdout.splitlines() if line.strip())
-    return nodes.returncode == 0 and {"n1", "n2"} <= states.keys() and all(states[n] in ("idle", "mixed", "allocated") for n in ("n1", "n2"))
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True, timeout=20)
+            states = dict(line.split() for line in nodes.stdout.splitlines() if line.strip())
+            if nodes.returncode == 0 and {"n1", "n2"} <= states.keys() and all(states[n] in ("idle", "mixed", "allocated") for n in ("n1", "n2")):
+                return True
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(2)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +222,7 @@ def slurm() -> Iterator[dict[str, str]]:
     except subprocess.TimeoutExpired:
         started = None
     try:
-        if started is None or started.returncode != 0 or not _two_nodes_up(env):
+        if started is None or started.returncode != 0 or not _two_nodes_up(env, within_s=60):
             tail = "timed out" if started is None else (started.stdout + started.stderr).strip().splitlines()[-3:]
             pytest.skip(f"the SLURM recipe could not start a two-node cluster here: {tail}")
         yield env
