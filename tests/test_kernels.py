@@ -222,9 +222,14 @@ def test_transpose_matches_dense_transpose(weighted):
 
 
 @pytest.mark.parametrize("weighted", [True, False])
-def test_select_columns_matches_dense_slicing(backend, weighted):
+@pytest.mark.parametrize("by_columns", [True, False])
+@pytest.mark.parametrize("share", [0.1, 0.5])
+def test_select_columns_matches_dense_slicing(backend, weighted, by_columns, share, monkeypatch):
+    """Against the CSR rebuilt from the dense slice, entry for entry; the numba backend's two
+    ways (the kept columns' entries through the transpose, or a filter over every entry)."""
+    monkeypatch.setattr(numba_backend, "_SELECT_BY_COLUMNS_SHARE", 1.0 if by_columns else -1.0)
     dense, adj = make_case(30, 50, weighted, torch.float32)
-    keep = torch.rand(50, generator=torch.Generator().manual_seed(3)) < 0.5
+    keep = torch.rand(50, generator=torch.Generator().manual_seed(3)) < share
     keep[0] = keep[2] = True
     sub = adj.select_columns(keep)
     sliced = dense[:, keep].double()
@@ -232,13 +237,15 @@ def test_select_columns_matches_dense_slicing(backend, weighted):
     torch.testing.assert_close(dense_of(sub), sliced)
     torch.testing.assert_close(dense_of_transpose(sub), sliced.T)
     rebuilt = csr_of(sliced, weighted)
-    for name in ("indptr", "indices", "t_indptr", "t_indices", "t_edge"):
+    for name in ("indptr", "indices", "t_indptr", "t_indices", "t_edge", *(("values", "t_values") if weighted else ())):
         assert torch.equal(getattr(sub, name), getattr(rebuilt, name)), name
     x = torch.randn(sub.n_cols, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: spmm(sub, x), (x,))
 
 
-def test_select_columns_dropping_everything(backend):
+@pytest.mark.parametrize("by_columns", [True, False])
+def test_select_columns_dropping_everything(backend, by_columns, monkeypatch):
+    monkeypatch.setattr(numba_backend, "_SELECT_BY_COLUMNS_SHARE", 1.0 if by_columns else -1.0)
     _, adj = make_case(10, 12, True, torch.float32)
     empty = adj.select_columns(torch.zeros(12, dtype=torch.bool))
     assert (empty.n_rows, empty.n_cols, empty.nnz) == (10, 0, 0)

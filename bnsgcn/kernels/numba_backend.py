@@ -389,17 +389,70 @@ def _offsets(counts: Tensor) -> Tensor:
     return offsets
 
 
+@njit(cache=True)
+def _select_by_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept_columns, indptr, indices, values, new_t_indptr, new_t_indices, new_t_edge, new_t_values):
+    """The kept columns' entries, read from the transposed CSR alone: count them per row,
+    then place each at its row's next free slot, visiting columns in ascending order (so
+    each row's columns come out ascending, as a counting sort)."""
+    n_rows = indptr.shape[0] - 1
+    indptr[:] = 0
+    for c in range(kept_columns.shape[0]):
+        old = kept_columns[c]
+        for t in range(t_indptr[old], t_indptr[old + 1]):
+            indptr[t_indices[t] + 1] += 1
+    for v in range(n_rows):
+        indptr[v + 1] += indptr[v]
+    free = indptr[:-1].copy()
+    position = 0
+    for c in range(kept_columns.shape[0]):
+        old = kept_columns[c]
+        new_t_indptr[c] = position
+        for t in range(t_indptr[old], t_indptr[old + 1]):
+            row = t_indices[t]
+            slot = free[row]
+            free[row] += 1
+            indices[slot] = c
+            new_t_indices[position] = row
+            new_t_edge[position] = slot
+            if weighted:
+                values[slot] = t_values[t]
+                new_t_values[position] = t_values[t]
+            position += 1
+    new_t_indptr[kept_columns.shape[0]] = position
+
+
+# Below this share of the entries kept, selecting reads the kept columns' entries alone
+# (serial); above it the row-parallel filter over every entry is cheaper (p = 0.1 on the
+# reference graph's boundary columns: 0.6 ms instead of 7.8 ms).
+_SELECT_BY_COLUMNS_SHARE = 0.25
+
+
 def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
-    """:meth:`Adjacency.select_columns` in three row-parallel passes: count, copy rows, copy
-    columns (CPU only: ``sizes`` is not needed)."""
+    """:meth:`Adjacency.select_columns` (CPU only: ``sizes`` is not needed). Few kept entries:
+    one serial pass over them through the transposed CSR (:func:`_select_by_columns_kernel`);
+    else three row-parallel passes over every entry: count, copy rows, copy columns."""
+    kept_columns = torch.nonzero(keep).flatten()
+    t_indptr = _offsets(adj.t_indptr.diff()[kept_columns])
+    nnz = int(t_indptr[-1])
+    weighted = adj.values is not None
+    value_dtype = adj.values.dtype if weighted else torch.float32
+    if nnz <= _SELECT_BY_COLUMNS_SHARE * adj.nnz:
+        indptr = torch.empty(adj.n_rows + 1, dtype=torch.int64)
+        indices, t_indices = torch.empty(nnz, dtype=adj.indices.dtype), torch.empty(nnz, dtype=adj.t_indices.dtype)
+        t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
+        values = torch.empty(nnz, dtype=value_dtype) if weighted else None
+        t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
+        _select_by_columns_kernel(
+            _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype), weighted,
+            _array(kept_columns), indptr.numpy(), indices.numpy(), _or_empty(values, value_dtype), t_indptr.numpy(),
+            t_indices.numpy(), t_edge.numpy(), _or_empty(t_values, value_dtype),
+        )  # fmt: skip
+        return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
     work = adj.nnz + adj.n_rows
     keep_array = _array(keep)
     counts = torch.empty(adj.n_rows, dtype=torch.int64)
     _count_kept_kernel(_array(adj.indptr), _array(adj.indices), keep_array, counts.numpy(), work=work)
     indptr = _offsets(counts)
-    nnz = int(indptr[-1])
-    kept_columns = torch.nonzero(keep).flatten()
-    t_indptr = _offsets(adj.t_indptr.diff()[kept_columns])
 
     # Renumbered ids are no larger than the old ones: the index dtypes carry over.
     new_column = torch.cumsum(keep, 0).sub_(1).to(adj.indices.dtype)
@@ -407,8 +460,6 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     t_indices = torch.empty(nnz, dtype=adj.t_indices.dtype)
     t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
     new_entry = torch.empty(adj.nnz, dtype=adj.t_edge.dtype)
-    weighted = adj.values is not None
-    value_dtype = adj.values.dtype if weighted else torch.float32
     values = torch.empty(nnz, dtype=value_dtype) if weighted else None
     t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
     _filter_rows_kernel(

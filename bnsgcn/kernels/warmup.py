@@ -46,6 +46,7 @@ def exercise() -> None:
     indptr = torch.arange(0, 3 * n_rows + 1, 3)
     adj = Adjacency.from_csr(indptr, indices, n_cols, row_scale=torch.rand(n_rows, generator=generator), col_scale=torch.rand(n_cols, generator=generator))
     kept = adj.select_columns(torch.arange(n_cols) % 2 == 0)
+    adj.select_columns(torch.arange(n_cols) == 0)  # few entries kept: selected through the transpose
 
     x = torch.randn(n_cols, width, generator=generator, requires_grad=True)
     base = torch.randn(n_rows, width, generator=generator, requires_grad=True)
