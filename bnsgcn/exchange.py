@@ -508,16 +508,19 @@ class _Send(torch.autograd.Function):
     def backward(ctx, _grad_token, grad_product):  # noqa: D102
         flight = ctx.flight
         comm = flight.exchange.comm
-        backend = kernel_backend(flight.grads_received.device)
         # the inner product's gradient first: it runs while the rows' gradients travel
-        grad_x = None if ctx.inner is None or grad_product is None else backend.spmm_transposed(ctx.inner, grad_product.contiguous())
+        grad_x = None if ctx.inner is None or grad_product is None else kernel_backend(grad_product.device).spmm_transposed(ctx.inner, grad_product.contiguous())
+        grad_into = grad_product if ctx.into_given else None
+        if flight.grads_received is None:  # the rows were not used: no gradient comes back for them
+            return grad_x, None, None, None, grad_into
+        backend = kernel_backend(flight.grads_received.device)
         if flight.pattern is not None:
             grad_x = finish_nonzero_grads(comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner, grad_x)
         else:
             grads = finish_grads(comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
             grad_x = backend.scatter_rows(flight.plan.send_index, grads, ctx.n_inner, grad_x)
         flight.work = flight.grads_sent = flight.grads_received = flight.pattern = None
-        return grad_x, None, None, None, grad_product if ctx.into_given else None
+        return grad_x, None, None, None, grad_into
 
 
 class _Receive(torch.autograd.Function):

@@ -54,6 +54,19 @@ def test_product_and_one_gradient_for_both_uses(into_given, nonzero_rows):
     torch.testing.assert_close(x.grad, dense.T @ w + sent)
 
 
+def test_the_product_alone_needs_no_rows_gradient():
+    """Backward through the product when the rows were never used: the inner product's
+    gradient alone (nothing waits for row gradients that were never sent)."""
+    comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=5.0)
+    dense = torch.tensor([[1.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    adj = Adjacency.from_csr(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1]), 2, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, dtype=torch.float64)
+    _, product = BoundaryExchange(comm).start_aggregating(x * 1.0, ExchangePlan(torch.tensor([1]), [1], [1]), 0, adj)
+    (product * w).sum().backward()
+    torch.testing.assert_close(x.grad, dense.T @ w)
+
+
 def test_the_graph_is_freed_after_backward():
     """Nothing the exchange keeps refers back to the epoch's graph: the product and its
     autograd node are gone once backward is done and the caller lets go."""
