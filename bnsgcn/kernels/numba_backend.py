@@ -436,12 +436,13 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     nnz = int(t_indptr[-1])
     weighted = adj.values is not None
     value_dtype = adj.values.dtype if weighted else torch.float32
+    # Renumbered ids are no larger than the old ones: the index dtypes carry over.
+    indices, t_indices = torch.empty(nnz, dtype=adj.indices.dtype), torch.empty(nnz, dtype=adj.t_indices.dtype)
+    t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
+    values = torch.empty(nnz, dtype=value_dtype) if weighted else None
+    t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
     if nnz <= _SELECT_BY_COLUMNS_SHARE * adj.nnz:
         indptr = torch.empty(adj.n_rows + 1, dtype=torch.int64)
-        indices, t_indices = torch.empty(nnz, dtype=adj.indices.dtype), torch.empty(nnz, dtype=adj.t_indices.dtype)
-        t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
-        values = torch.empty(nnz, dtype=value_dtype) if weighted else None
-        t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
         _select_by_columns_kernel(
             _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype), weighted,
             _array(kept_columns), indptr.numpy(), indices.numpy(), _or_empty(values, value_dtype), t_indptr.numpy(),
@@ -453,15 +454,8 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     counts = torch.empty(adj.n_rows, dtype=torch.int64)
     _count_kept_kernel(_array(adj.indptr), _array(adj.indices), keep_array, counts.numpy(), work=work)
     indptr = _offsets(counts)
-
-    # Renumbered ids are no larger than the old ones: the index dtypes carry over.
     new_column = torch.cumsum(keep, 0).sub_(1).to(adj.indices.dtype)
-    indices = torch.empty(nnz, dtype=adj.indices.dtype)
-    t_indices = torch.empty(nnz, dtype=adj.t_indices.dtype)
-    t_edge = torch.empty(nnz, dtype=adj.t_edge.dtype)
     new_entry = torch.empty(adj.nnz, dtype=adj.t_edge.dtype)
-    values = torch.empty(nnz, dtype=value_dtype) if weighted else None
-    t_values = torch.empty(nnz, dtype=value_dtype) if weighted else None
     _filter_rows_kernel(
         _array(adj.indptr), _array(adj.indices), _or_empty(adj.values, value_dtype), weighted, keep_array,
         _array(new_column), _array(indptr), indices.numpy(), _or_empty(values, value_dtype), new_entry.numpy(),
