@@ -164,6 +164,23 @@ def test_spmm_at_the_widths_compiled_as_constants(backend, width, weighted, dtyp
         torch.testing.assert_close(spmm_add_(base.clone(), adj, x.detach()), base + matrix @ x.detach(), **tolerance)
 
 
+@pytest.mark.parametrize("width", [16, 128])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.startswith("numba")], indirect=True)
+def test_spmm_add_leaves_rows_without_entries_as_they_were(backend, width):
+    """The numba product skips rows of ``A`` with no entry (most of the boundary product's
+    at p < 1): they keep their bits, -0.0 included (adding 0 would make it +0.0); the other
+    rows get their sum. (The torch backend adds the whole product.)"""
+    dense, adj = make_case(30, 20, True, torch.float32, seed=11)
+    empty = (dense != 0).sum(1) == 0
+    assert empty.sum() >= 1
+    base = torch.randn(30, width)
+    base[empty] = -0.0
+    x = torch.randn(20, width)
+    out = spmm_add_(base.clone(), adj, x)
+    assert torch.equal(out[empty].view(torch.int32), base[empty].view(torch.int32))
+    torch.testing.assert_close(out[~empty], (base + dense @ x)[~empty])
+
+
 def test_spmm_add_rejects_a_base_of_the_wrong_shape():
     _, adj = make_case(10, 8, True, torch.float32)
     with pytest.raises(ValueError, match="base of shape"):
