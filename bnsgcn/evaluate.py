@@ -103,7 +103,7 @@ class Evaluation:
         aggregate = lambda y: self._aggregate(graph, plan, y)  # noqa: E731
         bias = layer.output_bias if add_bias else None
         if isinstance(layer, SAGEConv):
-            if layer.cheap_to_recompute:  # multiply first: fewer columns cross
+            if layer.multiplies_first:
                 own, neighbour = layer.dense_products(x, add_bias)
                 return self._aggregate(graph, plan, neighbour, into=own)
             return F.linear(x, layer.lin_self.weight, bias).addmm_(aggregate(x), layer.lin_neigh.weight.t())

@@ -4,7 +4,9 @@ Every layer takes the rows of this rank's inner nodes, ``x`` [n_inner, d_in], fe
 rows of sampled boundary nodes through the graph's exchange, and returns
 [n_inner, d_out]. Where the result is the same either way (GraphSAGE, GCN), a layer
 aggregates before or after its dense product, whichever moves fewer columns: aggregate
-first when ``d_in <= d_out``, multiply first otherwise; this also shrinks what is sent.
+first when ``d_in < d_out``, multiply first when ``d_in > d_out``; this also shrinks what
+is sent. At equal widths GCN aggregates first and GraphSAGE multiplies first (see
+:class:`SAGEConv`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 
 from .graph import EpochGraph
 from .kernels import gat_aggregate, spmm_add_
-from .kernels.dense import linear_sum
+from .kernels.dense import linear_pair, linear_sum
 
 
 def narrow_aggregation(lin: nn.Linear) -> bool:
@@ -46,6 +48,15 @@ class SAGEConv(nn.Module):
     .. math:: h'_v = W_s h_v + W_n \frac{1}{\deg(v)} \sum_{u \in N(v) \cup \{v\}} h_u + b
 
     With a precomputed ``x_agg`` (the first layer's full-graph mean) nothing is exchanged.
+
+    At equal widths the layer multiplies first too (``multiplies_first``), as
+    :math:`W_s h_v + \frac{1}{\deg(v)} \sum_u (W_n h_u) + b`: backward then keeps only
+    ``h`` [n, d] (aggregating first also keeps the aggregation, [n, d] more), and the two
+    gradients of ``h`` are summed inside a GEMM (:func:`~bnsgcn.kernels.dense.linear_pair`),
+    not by autograd's pass of its own. With ``exchange_input`` it aggregates first instead:
+    the first layer (its input rows, the features, need no gradient back; a product's rows
+    would), and any layer under ``--nonzero-rows on`` (its input rows, ReLU outputs, may
+    then cross as their nonzero entries, which a product's rows may not).
     """
 
     reads_x_with_x_agg = True  # W_s h_v still needs the node's own input
@@ -58,13 +69,14 @@ class SAGEConv(nn.Module):
     def exchanges_input(self) -> bool:
         """Without ``x_agg``, the boundary rows it fetches are rows of its input ``x`` (it
         aggregates first), not of a product."""
-        return not self.cheap_to_recompute
+        return not self.multiplies_first
 
-    def __init__(self, d_in: int, d_out: int, slot: int):
+    def __init__(self, d_in: int, d_out: int, slot: int, exchange_input: bool = False):
         super().__init__()
         self.slot = slot
         self.lin_self = nn.Linear(d_in, d_out)
         self.lin_neigh = nn.Linear(d_in, d_out, bias=False)
+        self.multiplies_first = d_in > d_out or (d_in == d_out and not exchange_input)
 
     @property
     def output_bias(self) -> nn.Parameter:
@@ -76,8 +88,12 @@ class SAGEConv(nn.Module):
         multiply-first forward computes them; a recomputation for backward runs only this
         (see :func:`narrow_aggregation`).
 
-        One GEMM with both weights stacked, [n, d_in] -> [n, 2 d_out]: backward's input
-        gradient is then one GEMM into one output, not two summed (each [n, d_in])."""
+        Narrow (``d_out < d_in``): one GEMM with both weights stacked, [n, d_in] ->
+        [n, 2 d_out], split: backward's input gradient is then one GEMM into one output.
+        At equal widths splitting the stacked output would copy two activations each way:
+        two GEMMs into two outputs (:func:`~bnsgcn.kernels.dense.linear_pair`)."""
+        if not self.cheap_to_recompute:
+            return linear_pair(x, self.lin_self.weight, self.lin_neigh.weight, self.lin_self.bias if add_bias else None)
         both = linear_sum(None, (x, torch.cat([self.lin_self.weight, self.lin_neigh.weight])))
         own, neighbour = both.split(self.lin_self.out_features, dim=1)
         return (own + self.lin_self.bias if add_bias else own.contiguous()), neighbour.contiguous()
@@ -85,7 +101,7 @@ class SAGEConv(nn.Module):
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
         """``add_bias=False``: without ``+ b``, for a caller that adds it in its next pass
         (the fused layer norm after a hidden layer)."""
-        if x_agg is None and self.cheap_to_recompute:
+        if x_agg is None and self.multiplies_first:
             # the neighbour term summed into the self term's output (which linear does not
             # keep): no second output [n, d_out] to allocate, fault in and add
             own, neighbour = self.dense_products(x, add_bias)

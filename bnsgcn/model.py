@@ -116,7 +116,8 @@ class GNN(nn.Module):
             last = i == config.layers - 1
             d_out = num_classes if last else config.hidden
             if config.model == "graphsage":
-                layer: nn.Module = SAGEConv(d_in, d_out, slot=i)
+                # the first layer's input rows (features) need no gradient back, products' rows would
+                layer: nn.Module = SAGEConv(d_in, d_out, slot=i, exchange_input=i == 0 or config.nonzero_rows == "on")
             elif config.model == "gcn":
                 layer = GCNConv(d_in, d_out, slot=i)
             else:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from bnsgcn.kernels import buffers
 from bnsgcn.kernels.buffers import BufferPool, pooled
-from bnsgcn.kernels.dense import linear_sum
+from bnsgcn.kernels.dense import linear_pair, linear_sum
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks
@@ -134,6 +134,30 @@ def test_linear_sum_matches_its_definition_in_float64(use_pool, monkeypatch):
         torch.testing.assert_close(linear_sum(None, (x, w_x)), F.linear(x, w_x))
         assert torch.autograd.gradcheck(lambda *a: linear_sum(a[4], (a[0], a[1]), (a[2], a[3])), (x, w_x, n, w_n, b))
         assert torch.autograd.gradcheck(lambda x, w: linear_sum(None, (x, w)), (x, w_x))
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_linear_pair_matches_its_definition_in_float64(use_pool, monkeypatch):
+    """Both products, each a contiguous output of its own, and every gradient (the input's
+    two summed by the second GEMM) against the definition; with and without the bias."""
+    monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 1)
+    torch.manual_seed(2)
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    w_a, w_b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pooled(BufferPool() if use_pool else None):
+        a, c = linear_pair(x, w_a, w_b, b)
+        assert a.is_contiguous() and c.is_contiguous()
+        torch.testing.assert_close(a, x @ w_a.T + b)
+        torch.testing.assert_close(c, x @ w_b.T)
+        da, dc = torch.randn_like(a), torch.randn_like(c)
+        dx, dw_a, dw_b, db = torch.autograd.grad((a, c), (x, w_a, w_b, b), (da, dc))
+        torch.testing.assert_close(dx, da @ w_a + dc @ w_b)
+        torch.testing.assert_close(dw_a, da.T @ x)
+        torch.testing.assert_close(dw_b, dc.T @ x)
+        torch.testing.assert_close(db, da.sum(0))
+        assert torch.autograd.gradcheck(lambda *t: linear_pair(*t), (x, w_a, w_b, b))
+        assert torch.autograd.gradcheck(lambda x, w_a, w_b: linear_pair(x, w_a, w_b), (x, w_a, w_b))
 
 
 # --------------------------------------------------------------------- training, every tensor pooled

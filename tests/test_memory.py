@@ -91,3 +91,52 @@ def test_gcn_with_precomputed_aggregation_draws_no_input_mask(monkeypatch):
         net(x, None, x_agg)
         assert any(t is x for t in masked) == reads_x, name
         assert any(t is x_agg for t in masked), name
+
+
+def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """One GraphSAGE layer, 6 -> 6 columns, over a world of one whose 4 inner rows are also
+    its boundary columns: (output, gradients of input and weights, bytes kept for backward
+    in tensors of a row per node, as the input)."""
+    from bnsgcn.exchange import full_plan
+    from bnsgcn.graph import ShardGraph
+    from bnsgcn.layers import SAGEConv
+
+    indptr = torch.tensor([0, 3, 5, 8, 10])
+    indices = torch.tensor([0, 5, 6, 1, 4, 2, 3, 7, 3, 6])
+    topology = Topology(n_inner=4, indptr=indptr, indices=indices, degree=torch.tensor([3.0, 2, 3, 2, 1, 1, 1, 1]),
+                        boundary_counts=[4], send_nodes=torch.arange(4), send_counts=[4])
+    graph = ShardGraph(topology, "graphsage", torch.device("cpu"))
+    epoch = graph.epoch(torch.ones(4, dtype=torch.bool), 1.0, full_plan(topology, torch.device("cpu")), BoundaryExchange(_one_rank()))
+    torch.manual_seed(seed)
+    layer = SAGEConv(6, 6, slot=1, exchange_input=exchange_input).double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    kept = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, epoch)
+    kept_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in kept if t.shape[:1] == x.shape[:1]}.values())
+    out.backward(torch.arange(24.0, dtype=torch.float64).view(4, 6))
+    return out.detach(), [x.grad, *(p.grad for p in layer.parameters())], kept_bytes
+
+
+def test_graphsage_multiplying_first_at_equal_widths_keeps_one_activation_less():
+    """At equal widths GraphSAGE multiplies first (unless its input rows should cross as
+    nonzero entries): the same output and gradients as aggregating first, and backward
+    keeps the input alone, not also the aggregation."""
+    assert SAGEConv_multiplies_first(exchange_input=False) and not SAGEConv_multiplies_first(exchange_input=True)
+    out_mf, grads_mf, kept_mf = _sage_layer_run(exchange_input=False)
+    out_af, grads_af, kept_af = _sage_layer_run(exchange_input=True)
+    torch.testing.assert_close(out_mf, out_af)
+    for a, b in zip(grads_mf, grads_af, strict=True):
+        torch.testing.assert_close(a, b)
+    assert kept_mf == 4 * 6 * 8 and kept_af == 2 * 4 * 6 * 8  # x alone; x and A x
+
+
+def SAGEConv_multiplies_first(exchange_input: bool) -> bool:  # noqa: N802 (reads as the layer's attribute)
+    from bnsgcn.layers import SAGEConv
+
+    return SAGEConv(6, 6, slot=1, exchange_input=exchange_input).multiplies_first

@@ -10,8 +10,9 @@ and its gradient at those entries alone.
 * Two ranks at p = 1 without dropout (ReLU zeros alone), ``--nonzero-rows on``: the dense
   float64 reference of :mod:`tests.reference`, for GraphSAGE and GCN.
 * Two ranks, whole runs with sampling and dropout: the same losses, gradients at every step
-  and final parameters, bit for bit, as ``--nonzero-rows off``; fewer feature and gradient
-  bytes for GraphSAGE and GCN, the same for GAT (it exchanges projections).
+  and final parameters, bit for bit, as ``--nonzero-rows off`` (whose GraphSAGE multiplies
+  first at equal widths: made to aggregate first there, the same sums); fewer feature and
+  gradient bytes for GraphSAGE and GCN, the same for GAT (it exchanges projections).
 * Four ranks on two emulated machines, node-aware exchange (rows cross machines as nonzero
   entries, and are relayed inside the machine whole): the same, in fewer bytes between
   machines.
@@ -101,17 +102,39 @@ def test_at_p1_runs_match_the_dense_reference(tmp_path):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
 
 
+def record_gradients_aggregating_first():
+    """:func:`record_gradients`, with GraphSAGE's equal-width layers aggregating first, as
+    they do under ``--nonzero-rows on`` (``off`` multiplies first: the same result, other
+    sums): dense rows then run the very sums the nonzero ones do."""
+    import bnsgcn.model
+    from bnsgcn.layers import SAGEConv
+
+    class AggregatingFirst(SAGEConv):
+        def __init__(self, d_in: int, d_out: int, slot: int, exchange_input: bool = False):
+            super().__init__(d_in, d_out, slot, exchange_input=True)
+
+    bnsgcn.model.SAGEConv = AggregatingFirst
+    collect = record_gradients()
+
+    def restore():
+        bnsgcn.model.SAGEConv = SAGEConv
+        return collect()
+
+    return restore
+
+
 def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None = None) -> list[tuple]:
-    """Run ``nonzero`` (``--nonzero-rows on``) and the same configs with ``off``; assert the
-    same losses, every step's gradients and the final parameters, bit for bit, on every
-    rank; return the pairs of runs' reports (rank by rank)."""
+    """Run ``nonzero`` (``--nonzero-rows on``) and the same configs with ``off`` (and the same
+    layer order); assert the same losses, every step's gradients and the final parameters,
+    bit for bit, on every rank; return the pairs of runs' reports (rank by rank)."""
     dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
-    results = run_ranks(world, nonzero + dense, nodes=nodes, instrument=record_gradients)
+    results_nonzero = run_ranks(world, nonzero, nodes=nodes, instrument=record_gradients)
+    results_dense = run_ranks(world, dense, nodes=nodes, instrument=record_gradients_aggregating_first)
     for i, (a, b) in enumerate(zip(nonzero, dense)):
         label = f"{a.model} precompute={a.use_precompute} norm={a.norm} remat={a.remat} layers={a.layers}"
         assert _losses(a) == _losses(b), label
         for rank in range(world):
-            run_a, run_b = results[rank][i], results[rank][len(nonzero) + i]
+            run_a, run_b = results_nonzero[rank][i], results_dense[rank][i]
             for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
                 for ga, gb in zip(grads_a, grads_b, strict=True):
                     np.testing.assert_array_equal(ga, gb, err_msg=label)

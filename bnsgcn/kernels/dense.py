@@ -63,6 +63,40 @@ class _AddLinear(torch.autograd.Function):
         return dy, dx, dweight
 
 
+class _LinearPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | None) -> tuple[Tensor, Tensor]:
+        a = buffers.empty((x.shape[0], weight_a.shape[0]), x.dtype, x.device)
+        if bias_a is None:
+            torch.mm(x, weight_a.t(), out=a)
+        else:
+            torch.addmm(bias_a, x, weight_a.t(), out=a)
+        b = torch.mm(x, weight_b.t(), out=buffers.empty((x.shape[0], weight_b.shape[0]), x.dtype, x.device))
+        ctx.save_for_backward(x, weight_a, weight_b)
+        ctx.has_bias = bias_a is not None
+        return a, b
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da: Tensor, db: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        x, weight_a, weight_b = ctx.saved_tensors
+        dx = _input_gradient(da, x, weight_a).addmm_(db, weight_b) if ctx.needs_input_grad[0] else None
+        dweight_a = da.t().mm(x) if ctx.needs_input_grad[1] else None
+        dweight_b = db.t().mm(x) if ctx.needs_input_grad[2] else None
+        dbias = da.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, dweight_a, dweight_b, dbias
+
+
+def linear_pair(x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    r""":math:`(X W_a^\top + b_a,\ X W_b^\top)`: two products of one input ``x`` [n, d_in],
+    ``weight_a`` [d_a, d_in], ``weight_b`` [d_b, d_in], ``bias_a`` [d_a] or None; returns
+    [n, d_a] and [n, d_b], each its own contiguous output. One node: its backward sums the
+    input's two gradients inside the second GEMM (:math:`dX = dA\,W_a` then
+    :math:`dX \mathrel{+}= dB\,W_b`), where two nodes would leave autograd a pass over
+    three [n, d_in] tensors to add them. Differentiable w.r.t. every input."""
+    return _LinearPair.apply(x, weight_a, weight_b, bias_a)
+
+
 def linear_sum(bias: Tensor | None, *terms: tuple[Tensor, Tensor]) -> Tensor:
     r""":math:`Y = \sum_k X_k W_k^\top + b`: each term ``(X_k [n, d_k], W_k [d_out, d_k])``,
     ``bias`` [d_out] or None; returns [n, d_out]. The later products are added into the
