@@ -88,15 +88,9 @@ class SAGEConv(nn.Module):
         multiply-first forward computes them; a recomputation for backward runs only this
         (see :func:`narrow_aggregation`).
 
-        Narrow (``d_out < d_in``): one GEMM with both weights stacked, [n, d_in] ->
-        [n, 2 d_out], split: backward's input gradient is then one GEMM into one output.
-        At equal widths splitting the stacked output would copy two activations each way:
-        two GEMMs into two outputs (:func:`~bnsgcn.kernels.dense.linear_pair`)."""
-        if not self.cheap_to_recompute:
-            return linear_pair(x, self.lin_self.weight, self.lin_neigh.weight, self.lin_self.bias if add_bias else None)
-        both = linear_sum(None, (x, torch.cat([self.lin_self.weight, self.lin_neigh.weight])))
-        own, neighbour = both.split(self.lin_self.out_features, dim=1)
-        return (own + self.lin_self.bias if add_bias else own.contiguous()), neighbour.contiguous()
+        One autograd node (:func:`~bnsgcn.kernels.dense.linear_pair`): backward sums the
+        input's two gradients inside its GEMMs."""
+        return linear_pair(x, self.lin_self.weight, self.lin_neigh.weight, self.lin_self.bias if add_bias else None)
 
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
         """``add_bias=False``: without ``+ b``, for a caller that adds it in its next pass

@@ -137,14 +137,15 @@ def test_linear_sum_matches_its_definition_in_float64(use_pool, monkeypatch):
 
 
 @pytest.mark.parametrize("use_pool", [False, True])
-def test_linear_pair_matches_its_definition_in_float64(use_pool, monkeypatch):
+@pytest.mark.parametrize(("d_in", "d_a", "d_b"), [(5, 4, 3), (16, 3, 4)])  # two GEMMs each way; the weights stacked
+def test_linear_pair_matches_its_definition_in_float64(use_pool, d_in, d_a, d_b, monkeypatch):
     """Both products, each a contiguous output of its own, and every gradient (the input's
-    two summed by the second GEMM) against the definition; with and without the bias."""
+    two summed by GEMMs) against the definition; with and without the bias."""
     monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 1)
     torch.manual_seed(2)
-    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
-    w_a, w_b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, d_in, dtype=torch.float64, requires_grad=True)
+    w_a, w_b = torch.randn(d_a, d_in, dtype=torch.float64, requires_grad=True), torch.randn(d_b, d_in, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(d_a, dtype=torch.float64, requires_grad=True)
     with pooled(BufferPool() if use_pool else None):
         a, c = linear_pair(x, w_a, w_b, b)
         assert a.is_contiguous() and c.is_contiguous()

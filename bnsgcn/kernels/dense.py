@@ -66,12 +66,19 @@ class _AddLinear(torch.autograd.Function):
 class _LinearPair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | None) -> tuple[Tensor, Tensor]:
-        a = buffers.empty((x.shape[0], weight_a.shape[0]), x.dtype, x.device)
-        if bias_a is None:
-            torch.mm(x, weight_a.t(), out=a)
+        n, d_a, d_b = x.shape[0], weight_a.shape[0], weight_b.shape[0]
+        # narrow outputs: one GEMM reads x once, and copying its halves apart costs less
+        # than a second read of x; wide ones: copying [n, d_a + d_b] apart would cost more
+        ctx.stacked = d_a + d_b <= x.shape[1] // 2
+        if ctx.stacked:
+            both = torch.mm(x, torch.cat([weight_a, weight_b]).t(), out=buffers.empty((n, d_a + d_b), x.dtype, x.device))
+            a = buffers.empty((n, d_a), x.dtype, x.device)
+            torch.add(both[:, :d_a], bias_a, out=a) if bias_a is not None else a.copy_(both[:, :d_a])
+            b = buffers.empty((n, d_b), x.dtype, x.device).copy_(both[:, d_a:])
         else:
-            torch.addmm(bias_a, x, weight_a.t(), out=a)
-        b = torch.mm(x, weight_b.t(), out=buffers.empty((x.shape[0], weight_b.shape[0]), x.dtype, x.device))
+            a = buffers.empty((n, d_a), x.dtype, x.device)
+            torch.mm(x, weight_a.t(), out=a) if bias_a is None else torch.addmm(bias_a, x, weight_a.t(), out=a)
+            b = torch.mm(x, weight_b.t(), out=buffers.empty((n, d_b), x.dtype, x.device))
         ctx.save_for_backward(x, weight_a, weight_b)
         ctx.has_bias = bias_a is not None
         return a, b
@@ -80,9 +87,17 @@ class _LinearPair(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da: Tensor, db: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
         x, weight_a, weight_b = ctx.saved_tensors
-        dx = _input_gradient(da, x, weight_a).addmm_(db, weight_b) if ctx.needs_input_grad[0] else None
-        dweight_a = da.t().mm(x) if ctx.needs_input_grad[1] else None
-        dweight_b = db.t().mm(x) if ctx.needs_input_grad[2] else None
+        if ctx.stacked:  # both gradients side by side: one GEMM each for dX and dW
+            d_a = weight_a.shape[0]
+            both = buffers.empty((x.shape[0], d_a + weight_b.shape[0]), da.dtype, da.device)
+            both[:, :d_a].copy_(da)
+            both[:, d_a:].copy_(db)
+            dx = _input_gradient(both, x, torch.cat([weight_a, weight_b])) if ctx.needs_input_grad[0] else None
+            dweight_a, dweight_b = both.t().mm(x).split([d_a, weight_b.shape[0]]) if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else (None, None)
+        else:
+            dx = _input_gradient(da, x, weight_a).addmm_(db, weight_b) if ctx.needs_input_grad[0] else None
+            dweight_a = da.t().mm(x) if ctx.needs_input_grad[1] else None
+            dweight_b = db.t().mm(x) if ctx.needs_input_grad[2] else None
         dbias = da.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return dx, dweight_a, dweight_b, dbias
 
@@ -90,10 +105,13 @@ class _LinearPair(torch.autograd.Function):
 def linear_pair(x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r""":math:`(X W_a^\top + b_a,\ X W_b^\top)`: two products of one input ``x`` [n, d_in],
     ``weight_a`` [d_a, d_in], ``weight_b`` [d_b, d_in], ``bias_a`` [d_a] or None; returns
-    [n, d_a] and [n, d_b], each its own contiguous output. One node: its backward sums the
-    input's two gradients inside the second GEMM (:math:`dX = dA\,W_a` then
-    :math:`dX \mathrel{+}= dB\,W_b`), where two nodes would leave autograd a pass over
-    three [n, d_in] tensors to add them. Differentiable w.r.t. every input."""
+    [n, d_a] and [n, d_b], each its own contiguous output, from the buffer pool. One node:
+    the input's two gradients are summed by GEMMs, not by a pass of autograd's. Wide
+    outputs (``d_a + d_b > d_in / 2``): two GEMMs each way, the second of backward adding
+    into the first's output (:math:`dX = dA\,W_a`, then :math:`dX \mathrel{+}= dB\,W_b`).
+    Narrow ones: the weights stacked, one GEMM into [n, d_a + d_b] split into the two
+    outputs, and backward's gradients put side by side for one GEMM. Differentiable w.r.t.
+    every input."""
     return _LinearPair.apply(x, weight_a, weight_b, bias_a)
 
 
