@@ -40,6 +40,7 @@ from .exchange import BoundaryExchange, ExchangePlan, fetch_boundary, resolve_no
 from .format import set_id
 from .graph import ShardGraph
 from .hierarchy import DirectPlanner, NodeAwarePlanner, make_planner
+from .kernels import cross_entropy_rows
 from .kernels.backend import kernel_backend, seed_step
 from .kernels.buffers import BufferPool, pooled
 from .log import MetricsWriter, setup_logging
@@ -156,10 +157,11 @@ def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInp
     return _graph_inputs(config, comm, shard, sub, shard.features[rows], shard.labels[rows], ones)
 
 
-def _loss_sum(logits: Tensor, labels: Tensor, multilabel: bool) -> Tensor:
+def _loss_sum(logits: Tensor, labels: Tensor, rows: Tensor, multilabel: bool) -> Tensor:
+    """The loss summed over the rows ``rows`` of ``logits`` (the training nodes)."""
     if multilabel:
-        return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-    return F.cross_entropy(logits, labels, reduction="sum")
+        return F.binary_cross_entropy_with_logits(logits.index_select(0, rows), labels.index_select(0, rows), reduction="sum")
+    return cross_entropy_rows(logits, rows, labels.index_select(0, rows))
 
 
 def _score_counts(logits: Tensor, shard: Shard) -> Tensor:
@@ -460,7 +462,7 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
     with account.timed("forward"), account.saved_tensors(resident):
         logits = job.model(inputs.features, g, inputs.x_agg)
         account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
-        loss_sum = _loss_sum(logits.index_select(0, inputs.train_index), inputs.labels.index_select(0, inputs.train_index), job.shard.multilabel)
+        loss_sum = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
     job.optimizer.zero_grad(set_to_none=False)
     with account.timed("backward"):
         (loss_sum / job.global_train).backward()
@@ -503,7 +505,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             seed_step(derive_seed(job.config.seed, taken[1], epoch, 1), job.comm.device)
             with account.timed("forward"):
                 logits = model(inputs.features, inputs.graph, inputs.x_agg)
-                part_loss = _loss_sum(logits.index_select(0, inputs.train_index), inputs.labels.index_select(0, inputs.train_index), job.shard.multilabel)
+                part_loss = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
             with account.timed("backward"):
                 # lockstep: the summed loss (the round's mean is taken after the all-reduce)
                 (part_loss if sync.lockstep else part_loss / max(num_train, 1)).backward()

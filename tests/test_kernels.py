@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bnsgcn.errors import UserError
-from bnsgcn.kernels import ENV_VAR, Adjacency, buffers, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
+from bnsgcn.kernels import ENV_VAR, Adjacency, buffers, cross_entropy_rows, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
 
 # numba's kernels run on one thread for one-thread ranks or small inputs, on several otherwise: both.
 BACKENDS = ("numba-one-thread", "numba-parallel", "torch")
@@ -179,6 +180,31 @@ def test_spmm_add_leaves_rows_without_entries_as_they_were(backend, width):
     out = spmm_add_(base.clone(), adj, x)
     assert torch.equal(out[empty].view(torch.int32), base[empty].view(torch.int32))
     torch.testing.assert_close(out[~empty], (base + dense @ x)[~empty])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cross_entropy_rows_matches_torch_on_the_selected_rows(backend, dtype):
+    """The summed loss of some rows (one of them twice) and its gradient, zero in the rows
+    not selected, against ``F.cross_entropy`` of the selected rows; large logits too (the
+    log-sum-exp subtracts each row's largest)."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(30, 7, generator=g, dtype=dtype) * 3).requires_grad_(True)
+    with torch.no_grad():
+        logits[5] += 400.0
+    rows = torch.tensor([0, 5, 3, 29, 3, 11])
+    labels = torch.tensor([6, 0, 2, 2, 4, 1])
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {}
+    loss = cross_entropy_rows(logits, rows, labels)
+    expected = F.cross_entropy(logits.index_select(0, rows), labels, reduction="sum")
+    torch.testing.assert_close(loss, expected, **tolerance)
+    (grad,) = torch.autograd.grad(loss * 0.5, logits)
+    (expected_grad,) = torch.autograd.grad(expected * 0.5, logits)
+    torch.testing.assert_close(grad, expected_grad, **tolerance)
+    unselected = torch.ones(30, dtype=torch.bool)
+    unselected[rows] = False
+    assert torch.equal(grad[unselected], torch.zeros_like(grad[unselected]))
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda z: cross_entropy_rows(z, rows, labels), (logits.detach().clone().requires_grad_(True),))
 
 
 def test_spmm_add_rejects_a_base_of_the_wrong_shape():

@@ -15,7 +15,8 @@ every call.
 CUDA tensors always use the pure-torch kernels (cuSPARSE through ``torch.sparse``).
 
 :func:`dropout` is here too: on CPU it draws its mask far faster than torch's dropout;
-:func:`layer_norm_relu_dropout` fuses the step between hidden layers into one pass each way.
+:func:`layer_norm_relu_dropout` fuses the step between hidden layers into one pass each way;
+:func:`cross_entropy_rows` is the training loss over the training rows, read in place.
 On CPU, training's large outputs come from a pool of reused blocks (:mod:`.buffers`; the
 dense products of :mod:`.dense` too). :mod:`.warmup` compiles the numba kernels into
 numba's on-disk cache in a process of its own before a job's ranks load their data.
@@ -26,6 +27,7 @@ from .backend import ENV_VAR, kernel_backend
 from .dropout import RecomputedDropout, dropout
 from .gat import gat_aggregate
 from .layer_norm import layer_norm_relu_dropout
+from .loss import cross_entropy_rows
 from .spmm import spmm, spmm_add_
 
-__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "RecomputedDropout", "layer_norm_relu_dropout", "kernel_backend", "ENV_VAR"]
+__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "RecomputedDropout", "layer_norm_relu_dropout", "cross_entropy_rows", "kernel_backend", "ENV_VAR"]

@@ -596,6 +596,54 @@ def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None
     return out
 
 
+@njit(cache=True, fastmath=_FASTMATH)
+def _cross_entropy_rows_kernel(logits, rows, labels, probabilities, losses):
+    classes = logits.shape[1]
+    for k in range(rows.shape[0]):
+        row, p = logits[rows[k]], probabilities[k]
+        top = row[0]
+        for j in range(1, classes):
+            top = max(top, row[j])
+        total = logits.dtype.type(0)
+        for j in range(classes):  # each exp once (numba's are scalar calls): kept for backward
+            p[j] = np.exp(row[j] - top)
+            total += p[j]
+        inverse = logits.dtype.type(1) / total
+        for j in range(classes):
+            p[j] *= inverse
+        losses[k] = top + np.log(total) - row[labels[k]]
+
+
+@njit(cache=True)
+def _cross_entropy_rows_grad_kernel(probabilities, rows, labels, scale, out):
+    scale = out.dtype.type(scale)
+    out[:, :] = 0
+    for k in range(rows.shape[0]):  # in order: a repeated row sums its terms the same way for any data
+        target, p = out[rows[k]], probabilities[k]
+        for j in range(out.shape[1]):
+            target[j] += scale * p[j]
+        target[labels[k]] -= scale
+
+
+def cross_entropy_rows(logits: Tensor, rows: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``(probabilities, losses)``: the softmax of rows ``rows`` of ``logits`` [t, C] (from
+    the buffer pool) and ``losses[k] = log sum_j exp(logits[r_k, j]) - logits[r_k, labels[k]]``
+    [t]; one serial pass over the rows, read in place."""
+    probabilities = buffers.empty((rows.shape[0], logits.shape[1]), logits.dtype)
+    losses = torch.empty(rows.shape[0], dtype=logits.dtype)
+    _cross_entropy_rows_kernel(_array(logits), _array(rows), _array(labels), probabilities.numpy(), losses.numpy())
+    return probabilities, losses
+
+
+def cross_entropy_rows_backward(probabilities: Tensor, rows: Tensor, labels: Tensor, n: int, scale: Tensor) -> Tensor:
+    """The gradient of ``scale * sum(losses)`` (``scale`` a scalar tensor) w.r.t. the logits
+    [n, C]: zero in rows not in ``rows``, ``scale * (softmax - onehot)`` in those (summed
+    where a row repeats); one pass writes it all."""
+    out = buffers.empty((n, probabilities.shape[1]), probabilities.dtype)
+    _cross_entropy_rows_grad_kernel(_array(probabilities), _array(rows), _array(labels), float(scale), out.numpy())
+    return out
+
+
 # Rows as their nonzero entries (the exchange's --nonzero-rows): a bitmap per row, bit j % 8 of
 # byte j // 8 set where entry j is nonzero, and the nonzero entries in row-major order. Each
 # kernel is one serial pass. No branch depends on the data: an entry is read or written at

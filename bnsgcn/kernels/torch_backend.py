@@ -204,6 +204,20 @@ def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None
     return out.index_add_(0, index, rows)
 
 
+def cross_entropy_rows(logits: Tensor, rows: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``(probabilities, losses)`` of the rows ``rows`` of ``logits`` (see the numba backend's)."""
+    log_probabilities = torch.log_softmax(logits.index_select(0, rows), 1)
+    return log_probabilities.exp(), -log_probabilities.gather(1, labels[:, None]).squeeze(1)
+
+
+def cross_entropy_rows_backward(probabilities: Tensor, rows: Tensor, labels: Tensor, n: int, scale: Tensor) -> Tensor:
+    """The gradient of ``scale * sum(losses)`` w.r.t. the logits (see the numba backend's);
+    ``scale`` a scalar tensor (read on the device, not the host)."""
+    grad = probabilities * scale
+    grad[torch.arange(rows.shape[0], device=rows.device), labels] -= scale
+    return buffers.empty((n, probabilities.shape[1]), probabilities.dtype, probabilities.device).zero_().index_add_(0, rows, grad)
+
+
 def _pack_bits(mask: Tensor) -> Tensor:
     """bool [m, d] -> uint8 [m, ceil(d / 8)], bit j % 8 of byte j // 8 = ``mask[:, j]``."""
     padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.shape[1] % 8))

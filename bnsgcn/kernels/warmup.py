@@ -38,6 +38,7 @@ def exercise() -> None:
     from .dropout import RecomputedDropout, dropout
     from .gat import gat_aggregate
     from .layer_norm import layer_norm_relu_dropout
+    from .loss import cross_entropy_rows
     from .spmm import spmm, spmm_add_
 
     generator = torch.Generator().manual_seed(0)
@@ -66,6 +67,8 @@ def exercise() -> None:
     lo, inv_step = torch.zeros(n_rows), torch.ones(n_rows)
     numba_backend.quantize_codes(hidden.detach(), lo, inv_step, 15, generator)
     numba_backend.scatter_rows(torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows)  # the exchange's backward
+    logits = torch.randn(n_rows, width, generator=generator, requires_grad=True)  # the loss, forward and backward
+    cross_entropy_rows(logits, torch.tensor([1, 4]), torch.tensor([0, 3])).backward()
     # rows as their nonzero entries (the exchange's --nonzero-rows on), forward and backward
     index, rows = torch.tensor([0, 2, 0]), hidden.detach()
     bits = torch.empty(len(index), (width + 7) // 8, dtype=torch.uint8)
