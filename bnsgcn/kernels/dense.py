@@ -70,15 +70,25 @@ class _LinearPair(torch.autograd.Function):
         # narrow outputs: one GEMM reads x once, and copying its halves apart costs less
         # than a second read of x; wide ones: copying [n, d_a + d_b] apart would cost more
         ctx.stacked = d_a + d_b <= x.shape[1] // 2
+
+        def output(width: int) -> Tensor:
+            return buffers.empty((n, width), x.dtype, x.device)
+
         if ctx.stacked:
-            both = torch.mm(x, torch.cat([weight_a, weight_b]).t(), out=buffers.empty((n, d_a + d_b), x.dtype, x.device))
-            a = buffers.empty((n, d_a), x.dtype, x.device)
-            torch.add(both[:, :d_a], bias_a, out=a) if bias_a is not None else a.copy_(both[:, :d_a])
-            b = buffers.empty((n, d_b), x.dtype, x.device).copy_(both[:, d_a:])
+            both = torch.mm(x, torch.cat([weight_a, weight_b]).t(), out=output(d_a + d_b))
+            a, b = output(d_a), output(d_b)
+            if bias_a is None:
+                a.copy_(both[:, :d_a])
+            else:
+                torch.add(both[:, :d_a], bias_a, out=a)
+            b.copy_(both[:, d_a:])
         else:
-            a = buffers.empty((n, d_a), x.dtype, x.device)
-            torch.mm(x, weight_a.t(), out=a) if bias_a is None else torch.addmm(bias_a, x, weight_a.t(), out=a)
-            b = torch.mm(x, weight_b.t(), out=buffers.empty((n, d_b), x.dtype, x.device))
+            a, b = output(d_a), output(d_b)
+            if bias_a is None:
+                torch.mm(x, weight_a.t(), out=a)
+            else:
+                torch.addmm(bias_a, x, weight_a.t(), out=a)
+            torch.mm(x, weight_b.t(), out=b)
         ctx.save_for_backward(x, weight_a, weight_b)
         ctx.has_bias = bias_a is not None
         return a, b
