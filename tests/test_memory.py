@@ -127,16 +127,12 @@ def test_graphsage_multiplying_first_at_equal_widths_keeps_one_activation_less()
     """At equal widths GraphSAGE multiplies first (unless its input rows should cross as
     nonzero entries): the same output and gradients as aggregating first, and backward
     keeps the input alone, not also the aggregation."""
-    assert SAGEConv_multiplies_first(exchange_input=False) and not SAGEConv_multiplies_first(exchange_input=True)
+    from bnsgcn.layers import SAGEConv
+
+    assert SAGEConv(6, 6, slot=1).multiplies_first and not SAGEConv(6, 6, slot=1, exchange_input=True).multiplies_first
     out_mf, grads_mf, kept_mf = _sage_layer_run(exchange_input=False)
     out_af, grads_af, kept_af = _sage_layer_run(exchange_input=True)
     torch.testing.assert_close(out_mf, out_af)
     for a, b in zip(grads_mf, grads_af, strict=True):
         torch.testing.assert_close(a, b)
     assert kept_mf == 4 * 6 * 8 and kept_af == 2 * 4 * 6 * 8  # x alone; x and A x
-
-
-def SAGEConv_multiplies_first(exchange_input: bool) -> bool:  # noqa: N802 (reads as the layer's attribute)
-    from bnsgcn.layers import SAGEConv
-
-    return SAGEConv(6, 6, slot=1, exchange_input=exchange_input).multiplies_first

@@ -215,7 +215,7 @@ def cross_entropy_rows_backward(probabilities: Tensor, rows: Tensor, labels: Ten
     ``scale`` a scalar tensor (read on the device, not the host)."""
     grad = probabilities * scale
     grad[torch.arange(rows.shape[0], device=rows.device), labels] -= scale
-    return buffers.empty((n, probabilities.shape[1]), probabilities.dtype, probabilities.device).zero_().index_add_(0, rows, grad)
+    return scatter_rows(rows, grad, n)
 
 
 def _pack_bits(mask: Tensor) -> Tensor:
