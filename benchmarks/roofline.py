@@ -25,6 +25,14 @@ One invocation, on the machine it runs on:
    * Copy bandwidth :math:`B` in bytes/s: a 256 MiB ``copy_``, bytes read + written
      (:func:`benchmarks.kernels.copy_bandwidth`).
 
+   * Exchange CPU cost in seconds per byte: one process per rank, one thread each, an
+     all-to-all over gloo (loopback, as the ranks exchange) of 32 MiB each, the CPU time
+     of every thread of a process (the socket copies run on gloo's own) over the bytes it
+     sent and received; best of ``--repeat``, the most of the processes; once, after the
+     first roofline. Each run states its slowest rank's bytes moved per epoch at that cost:
+     the exchange's CPU time, which ranks that fill every core take from their compute
+     phases (part of their excess: the floor counts no communication).
+
    Before anything is measured, one unmeasured epoch per p puts every kernel the ranks run in
    numba's on-disk cache: a rank that compiles keeps the compiler's memory in its peak.
 
@@ -117,6 +125,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import queue  # noqa: E402
 import resource  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
@@ -125,7 +134,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
-from datetime import date  # noqa: E402
+from datetime import date, timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TypeVar  # noqa: E402
 
@@ -144,6 +153,7 @@ from bnsgcn.errors import UserError  # noqa: E402
 from bnsgcn.format import read_manifest  # noqa: E402
 from bnsgcn.kernels.numba_backend import _PREFETCH_DISTANCE, _prefetch_row  # noqa: E402
 from bnsgcn.shard import load_shard  # noqa: E402
+from launch.network import free_port  # noqa: E402
 
 INDEX_BYTES = 4  # int32 column ids
 MASK_BYTES = 1 / 8  # one bit per dropout mask element (as the engine's fused step keeps it)
@@ -152,6 +162,7 @@ TARGET_RATIO = 1.25  # issue 14: epoch <= 1.25 x the floor
 PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # issue 14: peak RSS per rank on the reference graph, by p
 PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
 GEMM_KINDS = ("forward", "grad_input", "grad_weight")
+EXCHANGE_PROBE_BYTES = 32 * 2**20  # sent by each process of the all-to-all measurement
 QUICK_SPEC = "synthetic:nodes=3000,degree=10,classes=16,features=128"
 RESULTS = REPO / "benchmarks" / "results"
 Result = TypeVar("Result")
@@ -179,6 +190,7 @@ class RunFigures:
     sampled_boundary: float  # b: boundary rows received per epoch
     sent_feature_bytes: float  # S
     received_gradient_bytes: float  # R
+    moved_bytes: float  # rows and gradients sent plus received per epoch (the all-to-alls' bytes)
 
 
 def read_rank_graphs(parts_dir: Path) -> list[RankGraph]:
@@ -316,6 +328,57 @@ def around(before: dict, after: dict) -> dict:
     return {"threads": before["threads"], "gemm": gemm, "gather": gather, "copy_bytes_per_s": copy, "rate_spread": max(spreads)}
 
 
+def _exchange_rank(rank: int, world: int, port: int, nbytes: int, repeat: int, results) -> None:
+    """One process of :func:`exchange_cpu_cost`: the best CPU time of ``repeat`` all-to-alls."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    per_peer = nbytes // FLOAT_BYTES // (world - 1)
+    counts = [0 if peer == rank else per_peer for peer in range(world)]
+    send = torch.ones(per_peer * (world - 1))
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, counts, counts)  # connects every pair
+    best = float("inf")
+    for _ in range(repeat):
+        dist.barrier()
+        before = own_cpu_seconds(resource.RUSAGE_SELF)  # every thread of the process: gloo's too
+        dist.all_to_all_single(out, send, counts, counts)
+        best = min(best, own_cpu_seconds(resource.RUSAGE_SELF) - before)
+    dist.destroy_process_group()
+    results.put((rank, best))
+
+
+def exchange_cpu_cost(ranks: int, nbytes: int, repeat: int, timeout_s: int) -> dict:
+    """CPU seconds per byte that an all-to-all costs a rank on this machine: ``ranks``
+    processes, one thread each, each sending ``nbytes`` of float32 rows to the others and
+    receiving as many, over gloo (loopback between processes of one machine, as the
+    training ranks exchange); per process the best of ``repeat``, every thread counted (the
+    socket copies run on gloo's); the most over the processes, over the bytes sent plus
+    received."""
+    from torch.distributed import is_gloo_available
+
+    if ranks < 2 or not is_gloo_available():
+        return {"bytes": 0, "cpu_s": 0.0, "cpu_s_per_byte": 0.0}
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_exchange_rank, args=(r, ranks, port, nbytes, repeat, results), daemon=True) for r in range(ranks)]
+    for process in processes:
+        process.start()
+    try:
+        cpu = [results.get(timeout=timeout_s)[1] for _ in processes]
+    except queue.Empty:
+        raise RuntimeError(f"the all-to-all measurement gave no result within {timeout_s} s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    return {"bytes": 2 * nbytes, "cpu_s": max(cpu), "cpu_s_per_byte": max(cpu) / (2 * nbytes)}
+
+
 # ------------------------------------------------------------------------------ the floor
 
 
@@ -429,7 +492,8 @@ def read_run(run_dir: Path) -> list[RunFigures]:
             "reduction": split["reduction"],
             "other": split["other"],
         }
-        figures.append(RunFigures(measured, per_epoch["sampled_boundary"], per_epoch["sent_features"], per_epoch["received_gradients"]))
+        moved = sum(per_epoch[f"{way}_{what}"] for way in ("sent", "received") for what in ("features", "gradients"))
+        figures.append(RunFigures(measured, per_epoch["sampled_boundary"], per_epoch["sent_features"], per_epoch["received_gradients"], moved))
     return figures
 
 
@@ -506,6 +570,9 @@ def render(document: dict) -> str:
                   f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
                   f"epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; "
                   f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
+                  f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
+                  f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
+                  "on the ranks' cores, inside the measured compute (the floor counts no communication)", "",
                   f"peak RSS per rank: {' / '.join(f'{m:,.0f}' for m in run['peak_rss_mib'])} MiB"
                   + ("" if run["peak_target_mib"] is None else
                      f"; target <= {run['peak_target_mib']:,} MiB: {'met' if run['peak_target_met'] else 'not met'}"), "",
@@ -574,6 +641,8 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         train(parts_dir, len(graphs), p, 1, warm_up_dir, args.timeout)
     print("measuring the roofline (one thread; alone, then with the other ranks' cores busy) ...", file=sys.stderr, flush=True)
     alone, with_busy = measure()
+    print("measuring an all-to-all's CPU cost ...", file=sys.stderr, flush=True)
+    exchange = exchange_cpu_cost(len(graphs), EXCHANGE_PROBE_BYTES, args.repeat, args.timeout)
     rooflines, rooflines_busy = [alone], [with_busy]
     runs = []
     for p in args.p:
@@ -588,12 +657,15 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         rooflines_busy.append(with_busy)
         roofline, roofline_busy = around(rooflines[-2], rooflines[-1]), around(rooflines_busy[-2], rooflines_busy[-1])
         measured = read_run(run_dir)
+        compared = compare(graphs, measured, roofline)
+        moved = measured[compared["slowest_rank"]].moved_bytes
         peak_mib = [b / MiB for b in figures["peak_rss_bytes"]]
         peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
         runs.append({"p": p, "epoch_wall_s": figures["epoch_time_s"], "machine_use": machine_use, "peak_rss_mib": peak_mib,
                      "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
                      "roofline": roofline, "roofline_busy": roofline_busy,
-                     "epoch_with_ranks_busy": compare(graphs, measured, roofline_busy)["epoch"], **compare(graphs, measured, roofline)})
+                     "epoch_with_ranks_busy": compare(graphs, measured, roofline_busy)["epoch"],
+                     "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]}, **compared})
     return {
         "date": date.today().isoformat(),
         "command": command,
@@ -606,6 +678,7 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         "graph": [asdict(g) for g in graphs],
         "rooflines": rooflines,
         "rooflines_busy": rooflines_busy,
+        "exchange_cost": exchange,
         "runs": runs,
     }
 

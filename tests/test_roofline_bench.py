@@ -28,7 +28,7 @@ def test_floor_counts_the_model_work_by_the_documented_formulas():
     n, nb, ei, eb, t, feat, c = 1000, 400, 9000, 2000, 600, 64, 8
     graph = rl.RankGraph(rank=0, inner=n, boundary=nb, inner_entries=ei, boundary_entries=eb, train_nodes=t, features=feat, classes=c)
     b = 100  # a quarter of the boundary sampled: a quarter of its entries expected
-    run = rl.RunFigures(measured_s={}, sampled_boundary=b, sent_feature_bytes=5_000.0, received_gradient_bytes=7_000.0)
+    run = rl.RunFigures(measured_s={}, sampled_boundary=b, sent_feature_bytes=5_000.0, received_gradient_bytes=7_000.0, moved_bytes=24_000.0)
     h = rl.HIDDEN
     widths = [feat, h, h, c]
     result = rl.floor(graph, run, flat_roofline(widths))
@@ -58,7 +58,8 @@ def test_floor_counts_the_model_work_by_the_documented_formulas():
 
 def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     out = tmp_path / "roofline.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline.py"), "--quick", "--out", str(out)],
+    work = tmp_path / "work"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline.py"), "--quick", "--out", str(out), "--work", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| epoch |" in done.stdout
@@ -79,6 +80,12 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     assert roof["copy_bytes_per_s"] > 0
     use = roof["machine_use"]
     assert use["wall_s"] > 0 and use["own_cpu_s"] > 0 and use["other_processes_cpu_s"] >= 0 and use["other_processes_core_share"] >= 0
+
+    # an all-to-all of 32 MiB each way between two processes, once, before the runs
+    exchange = document["exchange_cost"]
+    assert exchange["bytes"] == 2 * rl.EXCHANGE_PROBE_BYTES and exchange["cpu_s"] > 0
+    assert exchange["cpu_s_per_byte"] == pytest.approx(exchange["cpu_s"] / exchange["bytes"])
+    assert first_measurement < done.stderr.index("measuring an all-to-all's CPU cost") < done.stderr.index("training at p = 1")
 
     assert [run["p"] for run in document["runs"]] == [1.0, 0.1]
     assert [r["busy_neighbours"] for r in document["rooflines_busy"]] == [1, 1, 1]  # one per other rank
@@ -130,8 +137,15 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
             table_floor = next(r["floor_s"] for r in run["phases"] if r["phase"] == f"{direction}_compute")
             assert table_floor == pytest.approx(sum(parts[f"{kind}_{direction}"]["seconds"] for kind in ("gemm", "sparse", "elementwise")))
         assert 0 < slowest["sampled_boundary"] <= document["graph"][run["slowest_rank"]]["boundary"]
+        # the exchange's CPU time: the slowest rank's rows and gradients, sent and received, at the measured cost
+        per_epoch = next(r for r in json.loads((work / f"run-p{run['p']:g}" / "report.json").read_text())["ranks"] if r["rank"] == run["slowest_rank"])["per_epoch"]
+        moved = sum(per_epoch[f"{way}_{what}"] for way in ("sent", "received") for what in ("features", "gradients"))
+        assert run["exchange_cpu"]["moved_bytes"] == pytest.approx(moved) and moved > 0
+        assert run["exchange_cpu"]["cpu_s"] == pytest.approx(moved * exchange["cpu_s_per_byte"])
+        assert f"about {run['exchange_cpu']['cpu_s']:.3f} s per epoch on the ranks' cores" in done.stdout
     p1, p01 = document["runs"]
     assert p01["ranks"][0]["sampled_boundary"] < p1["ranks"][0]["sampled_boundary"]  # p shrinks the sample
+    assert p01["exchange_cpu"]["moved_bytes"] < p1["exchange_cpu"]["moved_bytes"]  # and the rows moved
 
 
 @pytest.mark.parametrize("argv, message", [
