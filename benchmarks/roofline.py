@@ -370,7 +370,8 @@ def exchange_cpu_cost(ranks: int, nbytes: int, repeat: int, timeout_s: int) -> d
     try:
         cpu = [results.get(timeout=timeout_s)[1] for _ in processes]
     except queue.Empty:
-        raise RuntimeError(f"the all-to-all measurement gave no result within {timeout_s} s") from None
+        states = ", ".join(f"process {r} {'still running' if process.is_alive() else f'exited with {process.exitcode}'}" for r, process in enumerate(processes))
+        raise RuntimeError(f"the all-to-all measurement gave no result within {timeout_s} s: {states}") from None
     finally:
         for process in processes:
             process.join(timeout=10)
