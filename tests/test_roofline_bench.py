@@ -5,6 +5,7 @@ docs/benchmarks.md ("Roofline: the epoch against the machine's floor")."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_floor_counts_the_model_work_by_the_documented_formulas():
 def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     out = tmp_path / "roofline.json"
     work = tmp_path / "work"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline.py"), "--quick", "--out", str(out), "--work", str(work)],
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline.py"), "--quick", "--rounds", "2", "--out", str(out), "--work", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| epoch |" in done.stdout
@@ -87,8 +88,10 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     assert exchange["cpu_s_per_byte"] == pytest.approx(exchange["cpu_s"] / exchange["bytes"])
     assert first_measurement < done.stderr.index("measuring an all-to-all's CPU cost") < done.stderr.index("training at p = 1")
 
-    assert [run["p"] for run in document["runs"]] == [1.0, 0.1]
-    assert [r["busy_neighbours"] for r in document["rooflines_busy"]] == [1, 1, 1]  # one per other rank
+    # two rounds, the ps alternating, each run in a directory of its own
+    assert [(run["p"], run["round"], run["run"]) for run in document["runs"]] == [
+        (1.0, 1, "run-p1"), (0.1, 1, "run-p0.1"), (1.0, 2, "run-p1-round2"), (0.1, 2, "run-p0.1-round2")]
+    assert [r["busy_neighbours"] for r in document["rooflines_busy"]] == [1] * 5  # one per other rank
     for k, run in enumerate(document["runs"]):
         # the run's roofline: each time the mean of the measurements before and after it;
         # likewise the one measured with the other rank's core busy
@@ -138,14 +141,25 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
             assert table_floor == pytest.approx(sum(parts[f"{kind}_{direction}"]["seconds"] for kind in ("gemm", "sparse", "elementwise")))
         assert 0 < slowest["sampled_boundary"] <= document["graph"][run["slowest_rank"]]["boundary"]
         # the exchange's CPU time: the slowest rank's rows and gradients, sent and received, at the measured cost
-        per_epoch = next(r for r in json.loads((work / f"run-p{run['p']:g}" / "report.json").read_text())["ranks"] if r["rank"] == run["slowest_rank"])["per_epoch"]
+        per_epoch = next(r for r in json.loads((work / run["run"] / "report.json").read_text())["ranks"] if r["rank"] == run["slowest_rank"])["per_epoch"]
         moved = sum(per_epoch[f"{way}_{what}"] for way in ("sent", "received") for what in ("features", "gradients"))
         assert run["exchange_cpu"]["moved_bytes"] == pytest.approx(moved) and moved > 0
         assert run["exchange_cpu"]["cpu_s"] == pytest.approx(moved * exchange["cpu_s_per_byte"])
         assert f"about {run['exchange_cpu']['cpu_s']:.3f} s per epoch on the ranks' cores" in done.stdout
-    p1, p01 = document["runs"]
+    p1, p01 = document["runs"][:2]
     assert p01["ranks"][0]["sampled_boundary"] < p1["ranks"][0]["sampled_boundary"]  # p shrinks the sample
     assert p01["exchange_cpu"]["moved_bytes"] < p1["exchange_cpu"]["moved_bytes"]  # and the rows moved
+
+    # the verdict per p: the median of its rounds' ratios, printed beside each round's
+    result = document["verdict"]
+    assert result["target_ratio"] == rl.TARGET_RATIO and [v["p"] for v in result["by_p"]] == [1.0, 0.1]
+    for v in result["by_p"]:
+        ratios = [run["epoch"]["ratio"] for run in document["runs"] if run["p"] == v["p"]]
+        assert v["ratios"] == ratios and len(ratios) == 2
+        assert v["median_ratio"] == pytest.approx(statistics.median(ratios))
+        assert v["target_met"] == (v["median_ratio"] <= rl.TARGET_RATIO)
+        assert f"| {v['p']:g} | {ratios[0]:.2f}, {ratios[1]:.2f} | {v['median_ratio']:.2f} |" in done.stdout
+    assert result["target_met"] == all(v["target_met"] for v in result["by_p"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -153,6 +167,7 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     (["--quick", "--p", "0"], "--p 0: pass probabilities in (0, 1]"),
     (["--quick", "--epochs", "3"], "--epochs 3: pass an odd number, 5 or more"),
     (["--quick", "--epochs", "6"], "--epochs 6: pass an odd number, 5 or more"),
+    (["--quick", "--rounds", "0"], "--repeat, --rounds and --timeout must be >= 1"),
     ([], "pass either --parts-dir PARTS or --quick"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
