@@ -57,6 +57,17 @@ def test_floor_counts_the_model_work_by_the_documented_formulas():
     assert seconds["sampling"] == seconds["exchange"] == seconds["reduction"] == 0.0
 
 
+def test_verdict_is_each_p_s_median_ratio_over_its_rounds():
+    # three rounds of p = 1 and 0.1, alternating as the benchmark runs them
+    ratios = {1.0: [1.30, 1.10, 1.20], 0.1: [1.00, 1.40, 1.26]}
+    runs = [{"p": p, "epoch": {"ratio": ratios[p][k]}} for k in range(3) for p in (1.0, 0.1)]
+    result = rl.verdict(runs, [1.0, 0.1, 1.0])  # a p given twice is judged once
+    assert [(v["p"], v["ratios"], v["median_ratio"], v["target_met"]) for v in result["by_p"]] == [
+        (1.0, [1.30, 1.10, 1.20], 1.20, True), (0.1, [1.00, 1.40, 1.26], 1.26, False)]
+    assert result["target_met"] is False and result["target_ratio"] == 1.25
+    assert rl.verdict(runs[:1], [1.0])["target_met"] is False  # one round: that run's ratio, 1.30
+
+
 def test_quick_run_writes_a_complete_consistent_table(tmp_path):
     out = tmp_path / "roofline.json"
     work = tmp_path / "work"
