@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
@@ -54,6 +55,15 @@ def cora_metis(parts: int, out: Path) -> Path:
 
     graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
     return partition(graph, parts, out, method="metis")
+
+
+def final_test_score(metrics: Path, epochs: int) -> float:
+    """The test accuracy of the model a run ends with: its last epoch's evaluation (every run
+    evaluates after its last epoch; with a decoupled ``--sync``, after the final average).
+    Not the summary's score at the best-validation epoch: picking one of many evaluations by
+    Cora's 500 validation nodes adds noise of its own (tests/test_sync.py, test_workpool.py)."""
+    (last,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r]
+    return last["test_score"]
 
 
 def graph_with_island(out: Path) -> Path:

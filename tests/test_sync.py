@@ -28,7 +28,6 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +39,7 @@ from bnsgcn import paramsync
 from bnsgcn.paramsync import find_partner
 from bnsgcn.straggler import InjectedDelay, check_world, parse_delays, parse_sync
 
-from .distributed import cora_metis, free_port, partition, random_graph, run_ranks
+from .distributed import cora_metis, final_test_score, free_port, partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
 from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
 
@@ -356,13 +355,7 @@ def cora_scores(parts, sync: str, out) -> list[float]:
         for seed in CORA_SEEDS
     ]
     run_ranks(4, configs, timeout=600)
-    return [_final_test_score(c.out / "metrics.jsonl", c.epochs) for c in configs]
-
-
-def _final_test_score(metrics: Path, epochs: int) -> float:
-    """The last epoch's test accuracy (every run evaluates after its last epoch)."""
-    (last,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r]
-    return last["test_score"]
+    return [final_test_score(c.out / "metrics.jsonl", c.epochs) for c in configs]
 
 
 @pytest.fixture(scope="module")
