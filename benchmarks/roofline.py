@@ -92,9 +92,9 @@ One invocation, on the machine it runs on:
    run's ``report.json`` (the first two epochs left out), split into the phases of
    :data:`PHASES`: sampling; exchange (waits for selections, boundary rows and their
    gradients); forward and backward compute (the passes less those waits); reduction
-   (gradient all-reduce); other (the optimizer step and bookkeeping: the median epoch
-   less the medians of the parts, at least 0, so it also holds the difference between a
-   median of sums and a sum of medians). The table is the slowest rank's (largest sum of
+   (gradient all-reduce); other (the optimizer step and bookkeeping: each epoch's time
+   less its measured parts, then the median; before 2026-11-28 the median epoch less the
+   parts' medians, which also took up the last epoch's final evaluation). The table is the slowest rank's (largest sum of
    phases), against that rank's floor; ratio = measured / floor (none where the floor is
    0), above floor = measured - floor; the epoch is the sum of the phases. The issue's
    target: epoch <= 1.25 x floor. For comparison, each run also gives the job's epoch as

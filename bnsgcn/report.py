@@ -81,16 +81,23 @@ DEVICE_MEMORY = ("peak_cuda_allocated_bytes", "peak_cuda_reserved_bytes")
 WARMUP_EPOCHS = 2
 
 
-def steady_state(tables: list[torch.Tensor], warmup: int = WARMUP_EPOCHS) -> tuple[torch.Tensor, dict]:
-    """Per rank and figure, the median over the steady epochs of ``tables`` (one float64
-    [world, columns] per epoch run): the first ``min(warmup, epochs - 1)`` epochs are left
-    out (a run of one epoch keeps it). Returns the medians and what they cover."""
+def steady_state(tables: list[torch.Tensor], columns: tuple[str, ...], warmup: int = WARMUP_EPOCHS) -> tuple[list[dict[str, float]], dict]:
+    """Per rank, each figure's median over the steady epochs of ``tables`` (one float64
+    [world, len(columns)] per epoch run): the first ``min(warmup, epochs - 1)`` epochs are
+    left out (a run of one epoch keeps it). Returns one dict per rank, ``columns`` plus
+    ``time_other`` (what each epoch's time holds beyond its measured parts, per epoch, then
+    the median: an epoch that also evaluates, or a slow epoch, then moves it no more than
+    any other figure), and what the medians cover."""
     import torch  # here: bnsgcn-report only reads report.json, and torch takes seconds to import
 
     left_out = max(min(warmup, len(tables) - 1), 0)
-    steady = tables[left_out:]
-    medians = torch.stack(steady).quantile(0.5, dim=0) if steady else torch.zeros(0)
-    return medians, {"epochs_run": len(tables), "warmup_epochs_left_out": left_out, "median_over_epochs": len(steady)}
+    steady = torch.stack(tables[left_out:])  # [epochs, world, columns]
+    index = {name: i for i, name in enumerate(columns)}
+    parts = steady[..., [index[f"time_{t}"] for t in _SEQUENTIAL]].sum(-1)
+    other = (steady[..., index["epoch_time"]] - parts).clamp(min=0.0)
+    medians = torch.cat([steady, other.unsqueeze(-1)], dim=-1).quantile(0.5, dim=0)
+    per_rank = [dict(zip((*columns, "time_other"), row)) for row in medians.tolist()]
+    return per_rank, {"epochs_run": len(tables), "warmup_epochs_left_out": left_out, "median_over_epochs": len(tables) - left_out}
 
 
 def time_split(means: dict[str, float]) -> dict[str, float]:
@@ -107,21 +114,22 @@ def time_split(means: dict[str, float]) -> dict[str, float]:
         "injected_delay": means.get("time_injected_delay", 0.0),
         "sync": means.get("time_sync", 0.0),
         "evaluation": means["time_evaluation"],
-        "other": max(means["epoch_time"] - measured, 0.0),
+        # reports written before the per-epoch figure: the median epoch less the parts' medians
+        "other": means["time_other"] if "time_other" in means else max(means["epoch_time"] - measured, 0.0),
         "idle": means["time_idle"],
     }
 
 
-def build(static: list[dict], per_epoch: torch.Tensor, columns: tuple[str, ...], info: dict) -> dict:
+def build(static: list[dict], per_epoch: list[dict[str, float]], info: dict) -> dict:
     """The report of a job.
 
     ``static``: one dict per rank (:func:`bnsgcn.accounting.static_figures`; a
     ``baseline_rss_bytes``, the resident memory before the shard is loaded, adds the peak
-    above it); ``per_epoch``: float64 [world, len(columns)], each rank's per-epoch means.
+    above it); ``per_epoch``: one dict per rank, its per-epoch figures
+    (:func:`steady_state`'s medians).
     """
     ranks = []
-    for figures, row in zip(static, per_epoch.tolist()):
-        means = dict(zip(columns, row))
+    for figures, means in zip(static, per_epoch):
         rank = {key: None for key in DEVICE_MEMORY} | dict(figures)
         rank["peak_memory_bytes"] = rank["peak_cuda_allocated_bytes"] if rank["peak_cuda_allocated_bytes"] is not None else figures["peak_rss_bytes"]
         if "baseline_rss_bytes" in figures:

@@ -587,9 +587,9 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     figures = [f | {"steps_total": int(n)} for f, n in zip(figures, steps)]  # optimizer steps each rank took in this run
     summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
     if metrics is not None:
-        per_epoch, steady = report.steady_state(tables) if tables else (torch.zeros(comm.world_size, len(COLUMNS), dtype=torch.float64), None)
+        per_epoch, steady = report.steady_state(tables, COLUMNS) if tables else ([dict.fromkeys(COLUMNS, 0.0)] * comm.world_size, None)
         info = {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": len(tables), "launch": launch_info(), "steady_state": steady}
-        report.write(job.run_dir, report.build(figures, per_epoch, COLUMNS, info))
+        report.write(job.run_dir, report.build(figures, per_epoch, info))
         if best.state is not None:
             torch.save(best.state, job.run_dir / "best_model.pt")
         metrics.write(summary)

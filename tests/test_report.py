@@ -32,12 +32,18 @@ def _static(rank: int, inner: int, boundary: int, peak_mib: float, baseline_mib:
     } | {key: inner * 1000 * (i + 1) for i, key in enumerate(HOLDERS)}
 
 
-def _per_epoch(rows: list[dict]) -> torch.Tensor:
+def _table(rows: list[dict]) -> torch.Tensor:
+    """One epoch's table: float64 [ranks, len(COLUMNS)], the figures ``rows`` name, else 0."""
     table = torch.zeros(len(rows), len(COLUMNS), dtype=torch.float64)
     for r, values in enumerate(rows):
         for name, value in values.items():
             table[r, COLUMNS.index(name)] = value
     return table
+
+
+def _per_epoch(rows: list[dict]) -> list[dict]:
+    """Per-rank figures as a report of an older release holds them (no ``time_other``)."""
+    return [dict.fromkeys(COLUMNS, 0.0) | values for values in rows]
 
 
 def _hand_report(p: float = 1.0, scale: float = 1.0) -> dict:
@@ -54,7 +60,7 @@ def _hand_report(p: float = 1.0, scale: float = 1.0) -> dict:
          "sent_selections": 30, "received_features": 1200 * p, "saved_activation_bytes": 1 * MiB},
     ]
     info = {"config": {"model": "graphsage", "p": p}, "world_size": 3, "epochs": 4}
-    return report.build(static, _per_epoch(rows), COLUMNS, info)
+    return report.build(static, _per_epoch(rows), info)
 
 
 def test_build_computes_spread_straggler_ratios_and_time_split():
@@ -279,7 +285,7 @@ def _cuda_report() -> dict:
     for r, (allocated, reserved) in enumerate(((3 * MiB, 4 * MiB), (1 * MiB, 2 * MiB))):
         static[r] |= {"device": f"cuda:{r}", "peak_cuda_allocated_bytes": allocated, "peak_cuda_reserved_bytes": reserved}
     rows = [{"epoch_time": 1.0, "time_forward": 0.5, "time_backward": 0.4}] * 2
-    return report.build(static, _per_epoch(rows), COLUMNS, {"config": {"model": "gat", "p": 1.0}, "world_size": 2})
+    return report.build(static, _per_epoch(rows), {"config": {"model": "gat", "p": 1.0}, "world_size": 2})
 
 
 def test_device_memory_next_to_host_memory_and_absent_on_cpu(tmp_path):
@@ -305,17 +311,39 @@ def test_device_memory_next_to_host_memory_and_absent_on_cpu(tmp_path):
 def test_per_epoch_figures_are_steady_state_medians():
     """Warm-up epochs (kernel compilation) are left out; the median of the rest is reported."""
     def epochs(times: list[float]) -> list[torch.Tensor]:
-        return [_per_epoch([{"epoch_time": t, "time_sampling": t / 10}, {"epoch_time": 2 * t}]) for t in times]
+        return [_table([{"epoch_time": t, "time_sampling": t / 10}, {"epoch_time": 2 * t}]) for t in times]
 
-    medians, steady = report.steady_state(epochs([9.0, 5.0, 1.0, 3.0, 2.0, 100.0]))
+    medians, steady = report.steady_state(epochs([9.0, 5.0, 1.0, 3.0, 2.0, 100.0]), COLUMNS)
     assert steady == {"epochs_run": 6, "warmup_epochs_left_out": 2, "median_over_epochs": 4}
-    column = COLUMNS.index("epoch_time")
-    assert medians[:, column].tolist() == pytest.approx([2.5, 5.0])  # median of 1, 3, 2, 100 (not the mean, 20.4)
-    assert medians[0, COLUMNS.index("time_sampling")] == pytest.approx(0.25)
-    assert report.steady_state(epochs([9.0, 1.0]))[1]["warmup_epochs_left_out"] == 1
-    medians, steady = report.steady_state(epochs([9.0]))
-    assert steady["warmup_epochs_left_out"] == 0 and medians[0, column] == 9.0
-    rep = report.build([_static(0, 1, 1, 1, 1), _static(1, 1, 1, 1, 1)], medians, COLUMNS, {"steady_state": steady})
+    assert [m["epoch_time"] for m in medians] == pytest.approx([2.5, 5.0])  # median of 1, 3, 2, 100 (not the mean, 20.4)
+    assert medians[0]["time_sampling"] == pytest.approx(0.25)
+    assert report.steady_state(epochs([9.0, 1.0]), COLUMNS)[1]["warmup_epochs_left_out"] == 1
+    medians, steady = report.steady_state(epochs([9.0]), COLUMNS)
+    assert steady["warmup_epochs_left_out"] == 0 and medians[0]["epoch_time"] == 9.0
+    rep = report.build([_static(0, 1, 1, 1, 1), _static(1, 1, 1, 1, 1)], medians, {"steady_state": steady})
     assert report.render_table(rep).splitlines()[-1] == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, allocator)"
-    rep["info"]["steady_state"] = report.steady_state(epochs([9.0, 5.0, 1.0]))[1]
+    rep["info"]["steady_state"] = report.steady_state(epochs([9.0, 5.0, 1.0]), COLUMNS)[1]
     assert "medians over 1 of 3 epochs run, the first 2 left out" in report.render_table(rep)
+
+
+def test_other_time_is_each_epochs_remainder_then_its_median():
+    """'other' is what each epoch holds beyond its measured parts, its median over the steady
+    epochs: a last epoch that also evaluates, or slow epochs, move it no more than any other
+    figure (the median epoch less the parts' medians would take 2.1 here)."""
+    def epoch(forward: float, backward: float, evaluation: float = 0.0) -> torch.Tensor:
+        row = {"time_forward": forward, "time_backward": backward, "time_evaluation": evaluation,
+               "epoch_time": forward + backward + evaluation + 0.1}  # 0.1 s beyond the parts: the optimizer step
+        return _table([row])
+
+    # warm-up, warm-up, then fast, slow, fast, slow, and a last epoch that evaluates
+    tables = [epoch(5, 5), epoch(5, 5), epoch(1, 1), epoch(2, 2), epoch(1, 1), epoch(2, 2), epoch(1, 1, evaluation=3)]
+    (medians,), _ = report.steady_state(tables, COLUMNS)
+    expected = sorted(float(t[0, COLUMNS.index("epoch_time")] - sum(t[0, COLUMNS.index(c)] for c in ("time_forward", "time_backward", "time_evaluation"))) for t in tables[2:])
+    assert medians["time_other"] == pytest.approx(expected[len(expected) // 2]) == pytest.approx(0.1)
+    split = report.build([_static(0, 1, 1, 1, 1)], [medians], {})["ranks"][0]["time_split"]
+    assert split["other"] == pytest.approx(0.1)
+    assert split["compute_forward"] + split["compute_backward"] + split["other"] == pytest.approx(1 + 1 + 0.1)
+    # a report written before the per-epoch figure: the median epoch less the parts' medians
+    older = dict(medians)
+    del older["time_other"]
+    assert report.time_split(older)["other"] == pytest.approx(medians["epoch_time"] - 1 - 1)
