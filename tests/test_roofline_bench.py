@@ -122,6 +122,16 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
         assert busy["measured_s"] == pytest.approx(run["epoch"]["measured_s"]) and busy["floor_s"] > 0
         assert busy["floor_s"] != pytest.approx(run["epoch"]["floor_s"], rel=1e-9)
         assert busy["ratio"] == pytest.approx(busy["measured_s"] / busy["floor_s"])
+        # and against the faster of the two measurements around it, each measurement's own
+        before, after = document["rooflines"][k], document["rooflines"][k + 1]
+        faster = {"threads": 1, "copy_bytes_per_s": max(before["copy_bytes_per_s"], after["copy_bytes_per_s"])}
+        for kind in ("gemm", "gather"):
+            faster[kind] = [a if a["seconds"] <= b["seconds"] else b for a, b in zip(before[kind], after[kind])]
+        graphs = [rl.RankGraph(**g) for g in document["graph"]]
+        strict = run["epoch_against_fastest"]
+        expected = rl.compare(graphs, rl.read_run(work / run["run"]), faster)["epoch"]
+        assert [strict[key] for key in ("measured_s", "floor_s", "ratio")] == pytest.approx([expected[key] for key in ("measured_s", "floor_s", "ratio")])
+        assert strict["measured_s"] == pytest.approx(run["epoch"]["measured_s"]) and 0 < strict["floor_s"] <= run["epoch"]["floor_s"] * (1 + 1e-9)
         assert [r["phase"] for r in run["phases"]] == list(rl.PHASES)
         for r in run["phases"] + [run["epoch"]]:
             assert r["measured_s"] >= 0 and r["floor_s"] >= 0
@@ -170,6 +180,8 @@ def test_quick_run_writes_a_complete_consistent_table(tmp_path):
         assert v["median_ratio"] == pytest.approx(statistics.median(ratios))
         assert v["target_met"] == (v["median_ratio"] <= rl.TARGET_RATIO)
         assert f"| {v['p']:g} | {ratios[0]:.2f}, {ratios[1]:.2f} | {v['median_ratio']:.2f} |" in done.stdout
+        strict = [run["epoch_against_fastest"]["ratio"] for run in document["runs"] if run["p"] == v["p"]]
+        assert v["ratios_against_fastest"] == strict and v["median_ratio_against_fastest"] == pytest.approx(statistics.median(strict))
     assert result["target_met"] == all(v["target_met"] for v in result["by_p"])
 
 
