@@ -100,10 +100,12 @@ One invocation, on the machine it runs on:
    less its measured parts, then the median; before 2026-11-28 the median epoch less the
    parts' medians, which also took up the last epoch's final evaluation). The table is the slowest rank's (largest sum of
    phases), against that rank's floor; ratio = measured / floor (none where the floor is
-   0), above floor = measured - floor; the epoch is the sum of the phases. The issue's
-   target: epoch <= 1.25 x floor. For comparison, each run also gives the job's epoch as
-   ``metrics.jsonl`` has it: the slowest rank's, median over the epochs after the first
-   that do not evaluate (:func:`benchmarks.suite.read_train_run`). ``--epochs`` is odd, so
+   0), above floor = measured - floor; the table's epoch is the sum of the phases. The
+   issue's target: epoch <= 1.25 x floor, judged (since 2026-11-28) on the job's epoch as
+   ``metrics.jsonl`` has it, the slowest rank's, median over the epochs after the first
+   that do not evaluate (:func:`benchmarks.suite.read_train_run`), against the largest of
+   the ranks' floors (``job_epoch``): a sum of each phase's median is no epoch that ran,
+   and came out 0.79-1.08 x the job's epoch here (before, the target judged that sum). ``--epochs`` is odd, so
    that each median is one epoch's figure (of an even count it would be the mean of two,
    which mixes a quiet and a disturbed epoch on a shared machine). Each run records how
    much CPU time other processes used meanwhile (``/proc/stat`` less the run's own), as
@@ -541,8 +543,15 @@ def compare(graphs: list[RankGraph], runs: list[RunFigures], roofline: dict) -> 
     slowest = max(per_rank, key=lambda r: sum(r["measured_s"].values()))
     table = [row(phase, slowest["measured_s"][phase], slowest["floor_s"][phase]) for phase in PHASES]
     epoch = row("epoch", sum(r["measured_s"] for r in table), sum(r["floor_s"] for r in table))
-    return {"slowest_rank": slowest["rank"], "phases": table, "epoch": epoch, "target_met": epoch["ratio"] <= TARGET_RATIO,
-            "ranks": per_rank}
+    return {"slowest_rank": slowest["rank"], "phases": table, "epoch": epoch, "ranks": per_rank}
+
+
+def job_epoch(compared: dict, epoch_s: float) -> dict:
+    """The job's epoch (``metrics.jsonl``: the slowest rank's per epoch, median) against the
+    largest of the ranks' floors: what the target judges. The sum of the slowest rank's
+    phase medians (``compare``'s epoch) is a median of each phase, not of any one epoch:
+    on this machine it came out 0.79-1.08 x the job's epoch."""
+    return row("job epoch", epoch_s, max(sum(r["floor_s"].values()) for r in compared["ranks"]))
 
 
 # ------------------------------------------------------------------------------ output
@@ -594,12 +603,16 @@ def render(document: dict) -> str:
                   for r in run["phases"] + [run["epoch"]]]
         verdict = "met" if run["target_met"] else "not met"
         busy = run["epoch_with_ranks_busy"]
-        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: {verdict} ({format_ratio(run['epoch']['ratio'])}); "
-                  f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
+        # records from before session 26 judged the sum of the phases
+        judged = (f"the job's epoch (metrics.jsonl: the slowest rank's, median) {run['job_epoch']['measured_s']:.3f} s against the "
+                  f"largest rank floor {run['job_epoch']['floor_s']:.3f} s: {verdict} ({format_ratio(run['job_epoch']['ratio'])}); "
+                  f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; ") if "job_epoch" in run else (
+                  f"{verdict} ({format_ratio(run['epoch']['ratio'])}); epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; ")
+        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: " + judged
+                  + f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
                   + (f"against the faster of the two measurements around the run ({run['epoch_against_fastest']['floor_s']:.3f} s): "
                      f"{format_ratio(run['epoch_against_fastest']['ratio'])}; " if "epoch_against_fastest" in run else "")
-                  + f"epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; "
-                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
+                  + f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
                   f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
                   f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
                   "on the ranks' cores, inside the measured compute (the floor counts no communication)", "",
@@ -611,7 +624,7 @@ def render(document: dict) -> str:
         lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
     if "verdict" in document:  # records from before --rounds have none
         result = document["verdict"]
-        lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds "
+        lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch; the phases' sum before 2026-11-28) "
                   "(and, for the record, against the faster of the two measurements around each run):", "",
                   "| p | ratio per round | median | target | against the faster measurement | its median |", "|---|---|---|---|---|---|"]
         lines += [f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
@@ -699,15 +712,17 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         roofline, roofline_busy = around(rooflines[-2], rooflines[-1]), around(rooflines_busy[-2], rooflines_busy[-1])
         measured = read_run(run_dir)
         compared = compare(graphs, measured, roofline)
+        job = job_epoch(compared, figures["epoch_time_s"])
         moved = measured[compared["slowest_rank"]].moved_bytes
         peak_mib = [b / MiB for b in figures["peak_rss_bytes"]]
         peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
         runs.append({"p": p, "round": round_index + 1, "run": run_dir.name,
-                     "epoch_wall_s": figures["epoch_time_s"], "machine_use": machine_use, "peak_rss_mib": peak_mib,
+                     "epoch_wall_s": figures["epoch_time_s"], "job_epoch": job, "target_met": job["ratio"] <= TARGET_RATIO,
+                     "machine_use": machine_use, "peak_rss_mib": peak_mib,
                      "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
                      "roofline": roofline, "roofline_busy": roofline_busy,
-                     "epoch_with_ranks_busy": compare(graphs, measured, roofline_busy)["epoch"],
-                     "epoch_against_fastest": compare(graphs, measured, fastest(rooflines[-2], rooflines[-1]))["epoch"],
+                     "epoch_with_ranks_busy": job_epoch(compare(graphs, measured, roofline_busy), figures["epoch_time_s"]),
+                     "epoch_against_fastest": job_epoch(compare(graphs, measured, fastest(rooflines[-2], rooflines[-1])), figures["epoch_time_s"]),
                      "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]}, **compared})
     return {
         "date": date.today().isoformat(),
@@ -728,11 +743,12 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
 
 
 def verdict(runs: list[dict], ps: list[float]) -> dict:
-    """The target per p over its rounds: the median of the runs' epoch ratios (one run's
-    ratio swings with the machine by about 15% here), and whether every p meets it."""
+    """The target per p over its rounds: the median of the runs' ratios of the job's epoch to
+    its floor (one run's ratio swings with the machine by about 15% here), and whether
+    every p meets it."""
     by_p = []
     for p in dict.fromkeys(ps):  # each p once, in the order given
-        ratios = [run["epoch"]["ratio"] for run in runs if run["p"] == p]
+        ratios = [run["job_epoch"]["ratio"] for run in runs if run["p"] == p]
         median = statistics.median(ratios)
         by_p.append({"p": p, "ratios": ratios, "median_ratio": median, "target_met": median <= TARGET_RATIO})
         strict = [run["epoch_against_fastest"]["ratio"] for run in runs if run["p"] == p and "epoch_against_fastest" in run]
