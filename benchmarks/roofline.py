@@ -98,16 +98,17 @@ One invocation, on the machine it runs on:
    gradients); forward and backward compute (the passes less those waits); reduction
    (gradient all-reduce); other (the optimizer step and bookkeeping: each epoch's time
    less its measured parts, then the median; before 2026-11-28 the median epoch less the
-   parts' medians, which also took up the last epoch's final evaluation). The table is the slowest rank's (largest sum of
-   phases), against that rank's floor; ratio = measured / floor (none where the floor is
-   0), above floor = measured - floor; the table's epoch is the sum of the phases. The
-   issue's target: epoch <= 1.25 x floor, judged (since 2026-11-28) on the job's epoch as
-   ``metrics.jsonl`` has it, the slowest rank's, median over the epochs after the first
-   that do not evaluate (:func:`benchmarks.suite.read_train_run`), against the largest of
-   the ranks' floors (``job_epoch``): a sum of each phase's median is no epoch that ran,
-   and came out 0.79-1.08 x the job's epoch here (before, the target judged that sum). ``--epochs`` is odd, so
-   that each median is one epoch's figure (of an even count it would be the mean of two,
-   which mixes a quiet and a disturbed epoch on a shared machine). Each run records how
+   parts' medians, which also took up the last epoch's final evaluation). The table is the
+   slowest rank's (largest sum of phases), against that rank's floor; ratio = measured /
+   floor (none where the floor is 0), above floor = measured - floor; the table's epoch is
+   the sum of the phases. The issue's target: epoch <= 1.25 x floor, judged (since
+   2026-11-28) on the job's epoch as ``metrics.jsonl`` has it, the slowest rank's, median
+   over the epochs after the first that do not evaluate
+   (:func:`benchmarks.suite.read_train_run`), against the largest of the ranks' floors
+   (``job_epoch``): a sum of each phase's median is no epoch that ran, and came out
+   0.79-1.08 x the job's epoch here (before, the target judged that sum). ``--epochs`` is
+   odd, so that each median is one epoch's figure (of an even count it would be the mean
+   of two, which mixes a quiet and a disturbed epoch on a shared machine). Each run records how
    much CPU time other processes used meanwhile (``/proc/stat`` less the run's own), as
    a share of the machine's cores: above a few percent, the run was disturbed; so does
    the roofline's measurement. Each run also gives every rank's peak RSS (the report's,
