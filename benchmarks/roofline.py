@@ -596,7 +596,7 @@ def render(document: dict) -> str:
               "other processes used " + ", ".join(format_share(r["machine_use"]["other_processes_core_share"]) for r in rooflines)
               + " of the cores during these measurements", ""]
     for run in document["runs"]:
-        round_note = f", round {run['round']}" if document["config"].get("rounds", 1) > 1 else ""
+        round_note = f", round {run['round']}" if document["config"]["rounds"] > 1 else ""
         lines += [f"p = {run['p']:g}{round_note}, rank {run['slowest_rank']} (the slowest); floor from the roofline measured before and after the run "
                   f"(rates differ by up to {100 * run['roofline']['rate_spread']:.0f}% between them):", "",
                   "| phase | measured (s) | floor (s) | ratio | above floor (s) |", "|---|---|---|---|---|"]
@@ -604,16 +604,13 @@ def render(document: dict) -> str:
                   for r in run["phases"] + [run["epoch"]]]
         verdict = "met" if run["target_met"] else "not met"
         busy = run["epoch_with_ranks_busy"]
-        # records from before session 26 judged the sum of the phases
-        judged = (f"the job's epoch (metrics.jsonl: the slowest rank's, median) {run['job_epoch']['measured_s']:.3f} s against the "
-                  f"largest rank floor {run['job_epoch']['floor_s']:.3f} s: {verdict} ({format_ratio(run['job_epoch']['ratio'])}); "
-                  f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; ") if "job_epoch" in run else (
-                  f"{verdict} ({format_ratio(run['epoch']['ratio'])}); epoch by metrics.jsonl (slowest rank, median): {run['epoch_wall_s']:.3f} s; ")
-        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: " + judged
-                  + f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
-                  + (f"against the faster of the two measurements around the run ({run['epoch_against_fastest']['floor_s']:.3f} s): "
-                     f"{format_ratio(run['epoch_against_fastest']['ratio'])}; " if "epoch_against_fastest" in run else "")
-                  + f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
+        job, strict = run["job_epoch"], run["epoch_against_fastest"]
+        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: the job's epoch (metrics.jsonl: the slowest rank's, median) "
+                  f"{job['measured_s']:.3f} s against the largest rank floor {job['floor_s']:.3f} s: {verdict} ({format_ratio(job['ratio'])}); "
+                  f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; "
+                  f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
+                  f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): {format_ratio(strict['ratio'])}; "
+                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
                   f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
                   f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
                   "on the ranks' cores, inside the measured compute (the floor counts no communication)", "",
@@ -623,15 +620,14 @@ def render(document: dict) -> str:
                   "| floor part | work | floor (s) |", "|---|---|---|"]
         parts = next(r for r in run["ranks"] if r["rank"] == run["slowest_rank"])["floor_parts"]
         lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
-    if "verdict" in document:  # records from before --rounds have none
-        result = document["verdict"]
-        lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch; the phases' sum before 2026-11-28) "
-                  "(and, for the record, against the faster of the two measurements around each run):", "",
-                  "| p | ratio per round | median | target | against the faster measurement | its median |", "|---|---|---|---|---|---|"]
-        lines += [f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
-                  f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v.get('ratios_against_fastest', []))} | "
-                  f"{format_ratio(v.get('median_ratio_against_fastest'))} |" for v in result["by_p"]]
-        lines += ["", f"every p: {'met' if result['target_met'] else 'not met'}", ""]
+    result = document["verdict"]
+    lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch) "
+              "(and, for the record, against the faster of the two measurements around each run):", "",
+              "| p | ratio per round | median | target | against the faster measurement | its median |", "|---|---|---|---|---|---|"]
+    lines += [f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
+              f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
+              f"{format_ratio(v['median_ratio_against_fastest'])} |" for v in result["by_p"]]
+    lines += ["", f"every p: {'met' if result['target_met'] else 'not met'}", ""]
     return "\n".join(lines)
 
 
@@ -750,11 +746,10 @@ def verdict(runs: list[dict], ps: list[float]) -> dict:
     by_p = []
     for p in dict.fromkeys(ps):  # each p once, in the order given
         ratios = [run["job_epoch"]["ratio"] for run in runs if run["p"] == p]
+        strict = [run["epoch_against_fastest"]["ratio"] for run in runs if run["p"] == p]  # for the record
         median = statistics.median(ratios)
-        by_p.append({"p": p, "ratios": ratios, "median_ratio": median, "target_met": median <= TARGET_RATIO})
-        strict = [run["epoch_against_fastest"]["ratio"] for run in runs if run["p"] == p and "epoch_against_fastest" in run]
-        if strict:  # for the record beside the target's figure (runs of before session 26 lack it)
-            by_p[-1] |= {"ratios_against_fastest": strict, "median_ratio_against_fastest": statistics.median(strict)}
+        by_p.append({"p": p, "ratios": ratios, "median_ratio": median, "target_met": median <= TARGET_RATIO,
+                     "ratios_against_fastest": strict, "median_ratio_against_fastest": statistics.median(strict)})
     return {"target_ratio": TARGET_RATIO, "by_p": by_p, "target_met": all(v["target_met"] for v in by_p)}
 
 

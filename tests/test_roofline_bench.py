@@ -65,10 +65,13 @@ def test_floor_counts_the_model_work_by_the_documented_formulas():
 def test_verdict_is_each_p_s_median_ratio_over_its_rounds():
     # three rounds of p = 1 and 0.1, alternating as the benchmark runs them
     ratios = {1.0: [1.30, 1.10, 1.20], 0.1: [1.00, 1.40, 1.26]}
-    runs = [{"p": p, "job_epoch": {"ratio": ratios[p][k]}} for k in range(3) for p in (1.0, 0.1)]
+    strict = {1.0: [1.40, 1.20, 1.25], 0.1: [1.10, 1.50, 1.30]}  # against the faster measurement: for the record
+    runs = [{"p": p, "job_epoch": {"ratio": ratios[p][k]}, "epoch_against_fastest": {"ratio": strict[p][k]}} for k in range(3) for p in (1.0, 0.1)]
     result = rl.verdict(runs, [1.0, 0.1, 1.0])  # a p given twice is judged once
     assert [(v["p"], v["ratios"], v["median_ratio"], v["target_met"]) for v in result["by_p"]] == [
         (1.0, [1.30, 1.10, 1.20], 1.20, True), (0.1, [1.00, 1.40, 1.26], 1.26, False)]
+    assert [(v["ratios_against_fastest"], v["median_ratio_against_fastest"]) for v in result["by_p"]] == [
+        ([1.40, 1.20, 1.25], 1.25), ([1.10, 1.50, 1.30], 1.30)]
     assert result["target_met"] is False and result["target_ratio"] == 1.25
     assert rl.verdict(runs[:1], [1.0])["target_met"] is False  # one round: that run's ratio, 1.30
 
