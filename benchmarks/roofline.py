@@ -8,8 +8,12 @@ One invocation, on the machine it runs on:
    * GEMM rate :math:`\Phi(\text{kind}, d_{in}, d_{out})` in FLOP/s for every dense product
      of the model at the rows it runs on (the largest rank's inner nodes; GraphSAGE
      multiplies inner rows only: boundary rows arrive aggregated or already multiplied),
-     each kind as torch runs it: forward ``addmm(b, X, W^T)`` [n, d_in] -> [n, d_out],
-     gradient of the input ``dY W`` and of the weight ``dY^T X``, each into an output
+     each kind as torch runs it: forward ``X W^T`` [n, d_in] -> [n, d_out] (no bias: the
+     engine adds a hidden layer's bias in the norm's pass and the output layer's as it
+     splits its products; ``addmm(b, X, W^T)`` first copies the bias into every output row,
+     a pass that measured 20-25% of the 128 -> 128 product here and that the floor would
+     otherwise count as GEMM time), gradient of the input ``dY W`` and of the weight
+     ``dY^T X``, each into an output
      allocated once (a fresh output costs page faults: up to half the rate here, which
      the floor leaves to the engine's excess); each does :math:`2 n d_{in} d_{out}` FLOPs;
      best of ``--repeat`` timed runs.
@@ -248,10 +252,10 @@ def parameter_count(widths: list[int]) -> int:
 def gemm_seconds(kind: str, rows: int, d_in: int, d_out: int, repeat: int) -> float:
     """Best time of one dense product of the model as torch runs it (see the module docstring),
     into an output allocated once: the arithmetic, not the page faults of fresh memory."""
-    x, w, dy, bias = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out), torch.randn(d_out)
+    x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
     out = {"forward": torch.empty(rows, d_out), "grad_input": torch.empty(rows, d_in), "grad_weight": torch.empty(d_out, d_in)}[kind]
     products = {
-        "forward": lambda: torch.addmm(bias, x, w.t(), out=out),
+        "forward": lambda: torch.mm(x, w.t(), out=out),
         "grad_input": lambda: torch.mm(dy, w, out=out),
         "grad_weight": lambda: torch.mm(dy.t(), x, out=out),
     }
