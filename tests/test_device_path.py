@@ -34,8 +34,8 @@ SITES = {
     "accounting.EpochAccount.gather:cpu": "device",  # every rank's figures, at the epoch's end
     "train._evaluate:cpu": "device",  # the scores (evaluated epochs)
     "sampler.sample_boundary:tolist": "host",
-    "exchange._padded_positions:__int__": "host",
-    "exchange._padded_positions:repeat_interleave": "host",
+    "exchange.pack_segments:numpy": "host",
+    "exchange.unpack_segments:numpy": "host",
     "exchange.make_plan:__getitem__": "host",
     "shard.segment_counts:tolist": "host",
     "shard.segment_counts:tensor": "host",  # on the mask's device: the CPU (samples, selections)

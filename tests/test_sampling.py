@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.exchange import full_plan
+from bnsgcn.exchange import full_plan, pack_segments, unpack_segments
 from bnsgcn.graph import ShardGraph
 from bnsgcn.kernels import spmm
 from bnsgcn.sampler import sample_boundary
@@ -102,3 +102,19 @@ def test_exchanged_rows_p0_and_reproducibility(tmp_path):
     for rank in range(2):
         for name, value in results[rank][0]["params"].items():
             np.testing.assert_array_equal(value, results[rank][1]["params"][name])
+
+
+@pytest.mark.parametrize("counts", [[], [0], [5], [0, 0, 3], [7, 0, 9, 16, 1], [13, 4000, 0, 8]])
+def test_selection_bits_pack_each_segment_from_a_byte_boundary(counts):
+    """The selections cross as bits: segment by segment, each padded to whole bytes, the
+    first entry of a byte its highest bit; unpacking gives the mask back."""
+    mask = torch.rand(sum(counts), generator=torch.Generator().manual_seed(len(counts))) < 0.3
+    expected, start = [], 0
+    for n in counts:
+        for first in range(0, n, 8):
+            expected.append(sum(128 >> j for j in range(min(8, n - first)) if mask[start + first + j]))
+        start += n
+    packed = pack_segments(mask, counts)
+    assert packed.dtype == torch.uint8 and packed.tolist() == expected
+    unpacked = unpack_segments(packed, counts)
+    assert unpacked.dtype == torch.bool and torch.equal(unpacked, mask)
