@@ -50,15 +50,6 @@ One invocation, on the machine it runs on:
    the verdict gives its median per p beside the target's): where a measurement caught
    the machine in a slow stretch, the mean lowers the bar, down to ratios below 1.
 
-   Each measurement ends with a speed probe, for the record: the model's 128 -> 128 forward
-   product timed back to back for ``SPEED_PROBE_S`` seconds (``speed``). The floor takes the
-   best of a few timings of each product, the machine at its fastest; an epoch runs at
-   whatever the machine gives meanwhile. The probe's median time over its best
-   (``median_over_best``, 1.0 on a machine whose speed holds still) says how far apart the
-   two are; each run states it for the probes before and after it (``machine_speed``),
-   and the verdict gives its median per p (here it measured 1.38 over a minute once:
-   docs/benchmarks.md, session 27).
-
    Each measurement is also taken with the other ranks' cores busy: one process per other
    rank runs the same measurements meanwhile, as the ranks of a job share the machine's
    caches and memory bandwidth (here a second process cost GEMMs 5-8%, gathers 3-21% and
@@ -193,7 +184,6 @@ PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # issue 14: peak RSS per rank on the re
 PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
 GEMM_KINDS = ("forward", "grad_input", "grad_weight")
 EXCHANGE_PROBE_BYTES = 32 * 2**20  # sent by each process of the all-to-all measurement
-SPEED_PROBE_S = 2.0  # how long the speed probe repeats its product
 QUICK_SPEC = "synthetic:nodes=3000,degree=10,classes=16,features=128"
 RESULTS = REPO / "benchmarks" / "results"
 Result = TypeVar("Result")
@@ -272,22 +262,6 @@ def gemm_seconds(kind: str, rows: int, d_in: int, d_out: int, repeat: int) -> fl
     return best_times({kind: products[kind]}, repeat)[kind]
 
 
-def speed_probe(rows: int, seconds: float = SPEED_PROBE_S) -> dict:
-    """The machine's speed over ``seconds`` (see the module docstring): the hidden layers'
-    forward product [rows, HIDDEN] -> [rows, HIDDEN] timed back to back, one thread, into an
-    output allocated once; its best and median time, and the median over the best."""
-    x, w, out = torch.randn(rows, HIDDEN), torch.randn(HIDDEN, HIDDEN), torch.empty(rows, HIDDEN)
-    torch.mm(x, w.t(), out=out)  # warm-up
-    times: list[float] = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 3:
-        start = time.perf_counter()
-        torch.mm(x, w.t(), out=out)
-        times.append(time.perf_counter() - start)
-    best, median = min(times), statistics.median(times)
-    return {"rows": rows, "d": HIDDEN, "count": len(times), "best_s": best, "median_s": median, "median_over_best": median / best}
-
-
 @njit(fastmath=True)
 def _gather_rows_sum(matrix: np.ndarray, rows: np.ndarray, total: np.ndarray) -> None:
     """``total += sum of matrix[rows[j]]``, two rows per pass, prefetching ahead (an even count)."""
@@ -353,8 +327,7 @@ def _roofline(graphs: list[RankGraph], repeat: int) -> dict:
     aggregated = sorted({aggregated_width(a, b) for a, b in zip(widths[1:-1], widths[2:])}, reverse=True)
     entries = largest.inner_entries + largest.boundary_entries
     gathers = [gather_bandwidth(largest.inner + largest.boundary, w, entries, repeat) for w in aggregated]
-    return {"threads": torch.get_num_threads(), "gemm": gemms, "gather": gathers, "copy_bytes_per_s": copy_bandwidth(repeat),
-            "speed": speed_probe(largest.inner)}
+    return {"threads": torch.get_num_threads(), "gemm": gemms, "gather": gathers, "copy_bytes_per_s": copy_bandwidth(repeat)}
 
 
 def around(before: dict, after: dict) -> dict:
@@ -623,9 +596,7 @@ def render(document: dict) -> str:
               for i, g in enumerate(rooflines[0]["gemm"])]
     lines += [f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | " + " | ".join(f"{r['gather'][i]['bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |"
               for i, g in enumerate(rooflines[0]["gather"])]
-    lines += ["| copy | 256 MiB | " + " | ".join(f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |"]
-    lines += [f"| speed probe: median / best time over {SPEED_PROBE_S:g} s | {rooflines[0]['speed']['rows']} x {HIDDEN} -> {HIDDEN} | "
-              + " | ".join(f"{r['speed']['median_over_best']:.2f}" for r in rooflines) + " |", "",
+    lines += ["| copy | 256 MiB | " + " | ".join(f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |", "",
               "other processes used " + ", ".join(format_share(r["machine_use"]["other_processes_core_share"]) for r in rooflines)
               + " of the cores during these measurements", ""]
     for run in document["runs"]:
@@ -643,8 +614,7 @@ def render(document: dict) -> str:
                   f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; "
                   f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
                   f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): {format_ratio(strict['ratio'])}; "
-                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile; "
-                  f"the speed probe's median time over its best: {run['machine_speed']['before']:.2f} before the run, {run['machine_speed']['after']:.2f} after", "",
+                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
                   f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
                   f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
                   "on the ranks' cores, inside the measured compute (the floor counts no communication)", "",
@@ -656,13 +626,11 @@ def render(document: dict) -> str:
         lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
     result = document["verdict"]
     lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch) "
-              "(and, for the record, against the faster of the two measurements around each run, and the speed probe's "
-              "median time over its best around the runs, 1.00 on a machine whose speed holds still):", "",
-              "| p | ratio per round | median | target | against the faster measurement | its median | machine: median / best |",
-              "|---|---|---|---|---|---|---|"]
+              "(and, for the record, against the faster of the two measurements around each run):", "",
+              "| p | ratio per round | median | target | against the faster measurement | its median |", "|---|---|---|---|---|---|"]
     lines += [f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
               f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
-              f"{format_ratio(v['median_ratio_against_fastest'])} | {v['machine_median_over_best']:.2f} |" for v in result["by_p"]]
+              f"{format_ratio(v['median_ratio_against_fastest'])} |" for v in result["by_p"]]
     lines += ["", f"every p: {'met' if result['target_met'] else 'not met'}", ""]
     return "\n".join(lines)
 
@@ -756,9 +724,7 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
                      "roofline": roofline, "roofline_busy": roofline_busy,
                      "epoch_with_ranks_busy": job_epoch(compare(graphs, measured, roofline_busy), figures["epoch_time_s"]),
                      "epoch_against_fastest": job_epoch(compare(graphs, measured, fastest(rooflines[-2], rooflines[-1])), figures["epoch_time_s"]),
-                     "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]},
-                     "machine_speed": {"before": rooflines[-2]["speed"]["median_over_best"], "after": rooflines[-1]["speed"]["median_over_best"]},
-                     **compared})
+                     "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]}, **compared})
     return {
         "date": date.today().isoformat(),
         "command": command,
@@ -785,11 +751,9 @@ def verdict(runs: list[dict], ps: list[float]) -> dict:
     for p in dict.fromkeys(ps):  # each p once, in the order given
         ratios = [run["job_epoch"]["ratio"] for run in runs if run["p"] == p]
         strict = [run["epoch_against_fastest"]["ratio"] for run in runs if run["p"] == p]  # for the record
-        speed = [value for run in runs if run["p"] == p for value in run["machine_speed"].values()]  # for the record
         median = statistics.median(ratios)
         by_p.append({"p": p, "ratios": ratios, "median_ratio": median, "target_met": median <= TARGET_RATIO,
-                     "ratios_against_fastest": strict, "median_ratio_against_fastest": statistics.median(strict),
-                     "machine_median_over_best": statistics.median(speed)})
+                     "ratios_against_fastest": strict, "median_ratio_against_fastest": statistics.median(strict)})
     return {"target_ratio": TARGET_RATIO, "by_p": by_p, "target_met": all(v["target_met"] for v in by_p)}
 
 
