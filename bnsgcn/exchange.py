@@ -130,9 +130,9 @@ def pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Inverse of :func:`pack_segments` (``packed`` on the CPU): bool [sum(counts)]."""
-    bytes_ = packed.numpy()
-    starts = itertools.accumulate(_packed_sizes(counts), initial=0)
-    bits = [np.unpackbits(bytes_[start : start + size], count=n) for start, size, n in zip(starts, _packed_sizes(counts), counts)]
+    bytes_, sizes = packed.numpy(), _packed_sizes(counts)
+    starts = itertools.accumulate(sizes, initial=0)
+    bits = [np.unpackbits(bytes_[start : start + size], count=n) for start, size, n in zip(starts, sizes, counts)]
     return torch.from_numpy(np.concatenate(bits or [np.empty(0, np.uint8)]).view(np.bool_))
 
 
