@@ -110,64 +110,38 @@ def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     return torch.sparse.mm(a_t, y)
 
 
-def _head_column(values: Tensor, h: int, index: Tensor | None = None) -> Tensor:
-    """``values[:, h]``, or ``values[index, h]``, as a contiguous 1-D tensor.
-
-    One head at a time, not ``values[index]`` whole: on CUDA torch gathers rows with one
-    thread block per index, and a row of 4-8 heads (16-32 bytes) leaves most of each block
-    idle; on an H100 that took 69 ms per gather of 114M entries, 86% of a GAT layer's time.
-    A one-column gather takes the elementwise kernel, one thread per entry.
-    """
-    column = values[:, h].contiguous()
-    return column if index is None else torch.index_select(column, 0, index)
-
-
-def _gather_entries(values: Tensor, index: Tensor) -> Tensor:
-    """``values[index]`` for per-head values ``[n, H]`` -> ``[len(index), H]``, a head at a time
-    (see :func:`_head_column`; a temporary of one head's entries, not of all)."""
-    out = values.new_empty(index.numel(), values.shape[1])
-    for h in range(values.shape[1]):
-        out[:, h] = _head_column(values, h, index)
-    return out
-
-
-def _per_head_spmm(indptr: Tensor, indices: Tensor, weights: Tensor, x: Tensor, n_rows: int, order: Tensor | None = None) -> Tensor:
-    """``out[:, h] = W_h x[:, h]`` with ``W_h`` the CSR pattern carrying ``weights[order, h]``
-    (``weights`` [nnz, H]; ``order`` None: in the pattern's own order)."""
-    heads = weights.shape[1]
-    out = x.new_empty(n_rows, heads, x.shape[2])
-    for h in range(heads):
-        w_h = _csr_tensor(indptr, indices, _head_column(weights, h, order), (n_rows, x.shape[0]))
-        out[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
-    return out
-
-
 def gat_forward(
     adj: Adjacency, x: Tensor, score_src: Tensor, score_dst: Tensor, col_weight: Tensor | None, negative_slope: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention aggregation; returns ``(Y [n_rows, H, D], alpha [nnz, H])``."""
-    rows = _rows_of_entries(adj)
-    cols = adj.indices
-    e = torch.nn.functional.leaky_relu(_gather_entries(score_src, cols) + _gather_entries(score_dst, rows), negative_slope)
-    row_max = torch.segment_reduce(e, "max", offsets=adj.indptr, axis=0)
-    p = torch.exp(e - _gather_entries(row_max, rows))
-    if col_weight is not None:
-        p *= col_weight.to(p.dtype)[cols].unsqueeze(1)
-    denominator = torch.segment_reduce(p, "sum", offsets=adj.indptr, axis=0)
-    # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
-    alpha = p / _gather_entries(denominator.clamp_min(torch.finfo(p.dtype).tiny), rows)
-    return _per_head_spmm(adj.indptr, adj.indices, alpha, x, adj.n_rows), alpha
+    """Attention aggregation; returns ``(Y [n_rows, H, D], alpha [nnz, H])``.
 
-
-def _sampled_dot(adj: Adjacency, dy: Tensor, x: Tensor) -> Tensor:
-    """SDDMM: ``g[e, h] = <dy[v, h], x[u, h]>`` for every stored entry ``e = (v, u)``."""
-    heads = x.shape[1]
-    g = x.new_empty(adj.nnz, heads)
-    pattern = _csr_tensor(adj.indptr, adj.indices, x.new_zeros(adj.nnz), (adj.n_rows, adj.n_cols))
+    A head at a time, each head's per-entry values one contiguous ``[nnz]`` vector (``alpha``
+    is stored head-major, ``[H, nnz]``, and returned as its transposed view). Why: gathering
+    all heads' values at once (``values[index]`` of ``[n, H]``) takes torch's row gather, one
+    thread block per index (69 ms per 114M entries on an H100; a head at a time, 7 ms on an
+    H200), and a head's column of an ``[nnz, H]`` tensor is a strided copy each time it is
+    taken or written (93 of them per layer, 41 of 136 ms on the H200). Temporaries: a few
+    ``[nnz]`` vectors.
+    """
+    rows, cols = _rows_of_entries(adj), adj.indices
+    src, dst = score_src.t().contiguous(), score_dst.t().contiguous()  # [H, n_cols], [H, n_rows]
+    heads = src.shape[0]
+    weight = None if col_weight is None else col_weight.to(src.dtype)[cols]
+    tiny = torch.finfo(src.dtype).tiny
+    alpha = src.new_empty(heads, adj.nnz)
+    y = x.new_empty(adj.n_rows, heads, x.shape[2])
     for h in range(heads):
-        sampled = torch.sparse.sampled_addmm(pattern, dy[:, h], x[:, h].transpose(0, 1), beta=0.0)
-        g[:, h] = sampled.values()
-    return g
+        e = torch.nn.functional.leaky_relu(src[h][cols] + dst[h][rows], negative_slope)
+        row_max = torch.segment_reduce(e, "max", offsets=adj.indptr)
+        p = torch.exp(e - row_max[rows])
+        if weight is not None:
+            p *= weight
+        # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
+        denominator = torch.segment_reduce(p, "sum", offsets=adj.indptr).clamp_min(tiny)
+        torch.div(p, denominator[rows], out=alpha[h])
+        w_h = _csr_tensor(adj.indptr, adj.indices, alpha[h], (adj.n_rows, adj.n_cols))
+        y[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
+    return y, alpha.t()
 
 
 def gat_backward(
@@ -180,21 +154,29 @@ def gat_backward(
     negative_slope: float,
     need_dx: bool,
 ) -> tuple[Tensor | None, Tensor, Tensor]:
-    """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`."""
-    rows = _rows_of_entries(adj)
-    cols = adj.indices
-    g = _sampled_dot(adj, dy, x)
-    # Softmax backward per row: de = alpha * (g - sum_u alpha g).
-    row_dot = torch.segment_reduce(alpha * g, "sum", offsets=adj.indptr, axis=0)
-    de = alpha * (g - _gather_entries(row_dot, rows))
-    pre_activation = _gather_entries(score_src, cols) + _gather_entries(score_dst, rows)
-    ds = torch.where(pre_activation > 0, de, de * negative_slope)
-    d_dst = torch.segment_reduce(ds, "sum", offsets=adj.indptr, axis=0)
-    d_src = torch.segment_reduce(_gather_entries(ds, adj.t_edge), "sum", offsets=adj.t_indptr, axis=0)
-    dx = None
-    if need_dx:
-        dx = _per_head_spmm(adj.t_indptr, adj.t_indices, alpha, dy, adj.n_cols, order=adj.t_edge)
-    return dx, d_src, d_dst
+    """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`, a head
+    at a time (``alpha``: the head-major view :func:`gat_forward` returned)."""
+    rows, cols = _rows_of_entries(adj), adj.indices
+    alpha = alpha.t().contiguous()  # [H, nnz]: no copy for gat_forward's own result
+    src, dst = score_src.t().contiguous(), score_dst.t().contiguous()
+    heads = alpha.shape[0]
+    d_src, d_dst = score_src.new_empty(heads, adj.n_cols), score_dst.new_empty(heads, adj.n_rows)
+    dx = x.new_empty(adj.n_cols, heads, x.shape[2]) if need_dx else None
+    pattern = _csr_tensor(adj.indptr, adj.indices, x.new_zeros(adj.nnz), (adj.n_rows, adj.n_cols))
+    for h in range(heads):
+        a = alpha[h]
+        # SDDMM: g[e] = <dy[v, h], x[u, h]> for every stored entry e = (v, u)
+        g = torch.sparse.sampled_addmm(pattern, dy[:, h], x[:, h].transpose(0, 1), beta=0.0).values()
+        # Softmax backward per row: de = alpha * (g - sum_u alpha g).
+        row_dot = torch.segment_reduce(a * g, "sum", offsets=adj.indptr)
+        de = a * (g - row_dot[rows])
+        ds = torch.where(src[h][cols] + dst[h][rows] > 0, de, de * negative_slope)
+        d_dst[h] = torch.segment_reduce(ds, "sum", offsets=adj.indptr)
+        d_src[h] = torch.segment_reduce(ds[adj.t_edge], "sum", offsets=adj.t_indptr)
+        if need_dx:
+            w_t = _csr_tensor(adj.t_indptr, adj.t_indices, a[adj.t_edge], (adj.n_cols, adj.n_rows))
+            dx[:, h] = torch.sparse.mm(w_t, dy[:, h].contiguous())
+    return dx, d_src.t().contiguous(), d_dst.t().contiguous()
 
 
 def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None) -> Tensor:
