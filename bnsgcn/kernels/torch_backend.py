@@ -110,6 +110,17 @@ def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     return torch.sparse.mm(a_t, y)
 
 
+def _row_reduce(values: Tensor, reduce: str, offsets: Tensor) -> Tensor:
+    """Per-row ``reduce`` ("sum" or "max") of one head's entry values: ``[nnz]`` -> ``[n_rows]``.
+
+    Through a ``[nnz, 1]`` view. Why: torch reduces a 1-D tensor with cub's segmented
+    reduction, a thread block per row, which on short rows costs several times torch's own
+    segment kernel that a 2-D tensor takes (4 heads, sum: 0.87 against 0.12 ms on the
+    200k-node reference graph, degree 26, H200; the GAT epoch there 0.041 against 0.029 s).
+    """
+    return torch.segment_reduce(values.unsqueeze(1), reduce, offsets=offsets).squeeze(1)
+
+
 def gat_forward(
     adj: Adjacency, x: Tensor, score_src: Tensor, score_dst: Tensor, col_weight: Tensor | None, negative_slope: float
 ) -> tuple[Tensor, Tensor]:
@@ -132,12 +143,12 @@ def gat_forward(
     y = x.new_empty(adj.n_rows, heads, x.shape[2])
     for h in range(heads):
         e = torch.nn.functional.leaky_relu(src[h][cols] + dst[h][rows], negative_slope)
-        row_max = torch.segment_reduce(e, "max", offsets=adj.indptr)
+        row_max = _row_reduce(e, "max", adj.indptr)
         p = torch.exp(e - row_max[rows])
         if weight is not None:
             p *= weight
         # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
-        denominator = torch.segment_reduce(p, "sum", offsets=adj.indptr).clamp_min(tiny)
+        denominator = _row_reduce(p, "sum", adj.indptr).clamp_min(tiny)
         torch.div(p, denominator[rows], out=alpha[h])
         w_h = _csr_tensor(adj.indptr, adj.indices, alpha[h], (adj.n_rows, adj.n_cols))
         y[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
@@ -168,11 +179,11 @@ def gat_backward(
         # SDDMM: g[e] = <dy[v, h], x[u, h]> for every stored entry e = (v, u)
         g = torch.sparse.sampled_addmm(pattern, dy[:, h], x[:, h].transpose(0, 1), beta=0.0).values()
         # Softmax backward per row: de = alpha * (g - sum_u alpha g).
-        row_dot = torch.segment_reduce(a * g, "sum", offsets=adj.indptr)
+        row_dot = _row_reduce(a * g, "sum", adj.indptr)
         de = a * (g - row_dot[rows])
         ds = torch.where(src[h][cols] + dst[h][rows] > 0, de, de * negative_slope)
-        d_dst[h] = torch.segment_reduce(ds, "sum", offsets=adj.indptr)
-        d_src[h] = torch.segment_reduce(ds[adj.t_edge], "sum", offsets=adj.t_indptr)
+        d_dst[h] = _row_reduce(ds, "sum", adj.indptr)
+        d_src[h] = _row_reduce(ds[adj.t_edge], "sum", adj.t_indptr)
         if need_dx:
             w_t = _csr_tensor(adj.t_indptr, adj.t_indices, a[adj.t_edge], (adj.n_cols, adj.n_rows))
             dx[:, h] = torch.sparse.mm(w_t, dy[:, h].contiguous())
