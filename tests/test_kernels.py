@@ -443,6 +443,28 @@ def test_gat_rejects_mismatched_shapes():
         gat_aggregate(adj, x, s_src[:, :1], s_dst)
 
 
+def test_torch_backend_never_widens_an_index_to_int64(monkeypatch):
+    """The torch backend's products (CUDA's, every layer, forward and backward) gather with
+    the int32 ids as stored, and copy no per-entry tensor at all. ``values[index]`` would
+    first copy an int32 index to int64, a pass over every entry per gather: on an H200, 24
+    such copies of 0.33 ms in one GAT layer of the Reddit-sized graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv(ENV_VAR, "torch")
+    dense, pattern = make_case(37, 45, True, torch.float32, seed=3)
+    r, c = torch.rand(37) + 0.5, torch.rand(45) + 0.5
+    adj = Adjacency.from_csr(pattern.indptr, pattern.indices, 45, pattern.values, row_scale=r, col_scale=c)
+    assert adj.indices.dtype == torch.int32 and adj.t_edge.dtype == torch.int32
+    assert adj.nnz not in (36, 37, 38, 45, 46)  # an [nnz] tensor is told apart by its length
+    x, s_src, s_dst, col_weight = gat_inputs(37, 45, 2, 3, torch.float32)
+    x.requires_grad_(True), s_src.requires_grad_(True), s_dst.requires_grad_(True)
+    h = torch.randn(45, 5, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        (gat_aggregate(adj, x, s_src, s_dst, col_weight).sum() + spmm(adj, h).sum()).backward()
+    widened = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [adj.nnz]]
+    assert not widened, f"{len(widened)} copies of an [nnz] tensor, e.g. under {widened[0].cpu_parent.name if widened[0].cpu_parent else '?'}"
+
+
 # --- dropout ------------------------------------------------------------------------------
 
 

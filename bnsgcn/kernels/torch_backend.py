@@ -36,10 +36,21 @@ def _values_or_ones(values: Tensor | None, nnz: int, like: Tensor) -> Tensor:
     return values.to(like.dtype)
 
 
-def _rows_of_entries(adj: Adjacency) -> Tensor:
-    """int64 ``[nnz]``: the row id of each stored entry."""
+def _gather(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` along the first dimension, for an int32 or int64 ``index``.
+
+    ``torch.index_select``, not ``values[index]``: advanced indexing first copies an int32
+    index to int64, a pass over the whole index (12 bytes per entry) before the gather.
+    """
+    return torch.index_select(values, 0, index)
+
+
+def _entry_rows(indptr: Tensor, nnz: int) -> Tensor:
+    """``[nnz]``: the row id of each stored entry of a CSR matrix, int32 when the ids fit."""
+    n_rows = indptr.numel() - 1
+    dtype = torch.int32 if n_rows <= _INT32_MAX else torch.int64
     # output_size: the length (nnz) is known on the host, so CUDA need not read it back
-    return torch.repeat_interleave(torch.arange(adj.n_rows, device=adj.device), adj.indptr.diff(), output_size=adj.nnz)
+    return torch.repeat_interleave(torch.arange(n_rows, dtype=dtype, device=indptr.device), indptr.diff(), output_size=nnz)
 
 
 def _compact(x: Tensor, keep: Tensor, slot: Tensor, size: int) -> Tensor:
@@ -55,7 +66,7 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     kept entries) when the caller knows them (from the host); then nothing here waits for
     the device (boolean-mask indexing would: its length is data)."""
     new_column = torch.cumsum(keep, 0) - 1
-    edge_kept = keep[adj.indices]
+    edge_kept = _gather(keep, adj.indices)
     # kept_before[e] = number of kept entries before forward entry e = its new entry id.
     kept_before = torch.zeros(adj.nnz + 1, dtype=torch.int64, device=adj.device)
     torch.cumsum(edge_kept, 0, out=kept_before[1:])
@@ -65,35 +76,34 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     indptr = kept_before[adj.indptr]
     slot = kept_before[:-1]
     # Renumbered ids are no larger than the old ones: the index dtypes carry over.
-    indices = _compact(new_column[adj.indices].to(adj.indices.dtype), edge_kept, slot, nnz)
+    indices = _compact(_gather(new_column, adj.indices).to(adj.indices.dtype), edge_kept, slot, nnz)
     values = None if adj.values is None else _compact(adj.values, edge_kept, slot, nnz)
 
     # Transposed rows are whole columns: each segment is kept or dropped.
-    t_kept = edge_kept[adj.t_edge]
+    t_kept = _gather(edge_kept, adj.t_edge)
     t_slot = torch.cumsum(t_kept, 0) - 1
     column_nnz = _compact(adj.t_indptr.diff(), keep, new_column, n_cols)
     t_indptr = torch.zeros(n_cols + 1, dtype=torch.int64, device=adj.device)
     torch.cumsum(column_nnz, 0, out=t_indptr[1:])
     t_indices = _compact(adj.t_indices, t_kept, t_slot, nnz)
-    t_edge = _compact(kept_before[adj.t_edge.to(torch.int64)].to(adj.t_edge.dtype), t_kept, t_slot, nnz)
+    t_edge = _compact(_gather(kept_before, adj.t_edge).to(adj.t_edge.dtype), t_kept, t_slot, nnz)
     t_values = None if adj.t_values is None else _compact(adj.t_values, t_kept, t_slot, nnz)
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
 
 
-def _scaled_values(values: Tensor | None, indptr: Tensor, indices: Tensor, row_scale: Tensor | None, col_scale: Tensor | None, n_rows: int, like: Tensor) -> Tensor:
+def _scaled_values(values: Tensor | None, indptr: Tensor, indices: Tensor, row_scale: Tensor | None, col_scale: Tensor | None, like: Tensor) -> Tensor:
     """Per entry ``r_v * values[e] * c_u`` [nnz] (a temporary: cuSPARSE takes values per entry)."""
     values = _values_or_ones(values, indices.numel(), like)
     if row_scale is not None:
-        rows = torch.repeat_interleave(torch.arange(n_rows, device=like.device), indptr.diff(), output_size=indices.numel())
-        values = values * row_scale.to(like.dtype)[rows]
+        values = values * _gather(row_scale.to(like.dtype), _entry_rows(indptr, indices.numel()))
     if col_scale is not None:
-        values = values * col_scale.to(like.dtype)[indices]
+        values = values * _gather(col_scale.to(like.dtype), indices)
     return values
 
 
 def spmm(adj: Adjacency, x: Tensor) -> Tensor:
     """``A x``: ``x [n_cols, d] -> [n_rows, d]``."""
-    values = _scaled_values(adj.values, adj.indptr, adj.indices, adj.row_scale, adj.col_scale, adj.n_rows, x)
+    values = _scaled_values(adj.values, adj.indptr, adj.indices, adj.row_scale, adj.col_scale, x)
     a = _csr_tensor(adj.indptr, adj.indices, values, (adj.n_rows, adj.n_cols))
     return torch.sparse.mm(a, x)
 
@@ -105,7 +115,7 @@ def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
 
 def spmm_transposed(adj: Adjacency, y: Tensor) -> Tensor:
     """``A^T y`` through the prebuilt transposed CSR: ``y [n_rows, d] -> [n_cols, d]``."""
-    values = _scaled_values(adj.t_values, adj.t_indptr, adj.t_indices, adj.col_scale, adj.row_scale, adj.n_cols, y)
+    values = _scaled_values(adj.t_values, adj.t_indptr, adj.t_indices, adj.col_scale, adj.row_scale, y)
     a_t = _csr_tensor(adj.t_indptr, adj.t_indices, values, (adj.n_cols, adj.n_rows))
     return torch.sparse.mm(a_t, y)
 
@@ -134,22 +144,22 @@ def gat_forward(
     taken or written (93 of them per layer, 41 of 136 ms on the H200). Temporaries: a few
     ``[nnz]`` vectors.
     """
-    rows, cols = _rows_of_entries(adj), adj.indices
+    rows, cols = _entry_rows(adj.indptr, adj.nnz), adj.indices
     src, dst = score_src.t().contiguous(), score_dst.t().contiguous()  # [H, n_cols], [H, n_rows]
     heads = src.shape[0]
-    weight = None if col_weight is None else col_weight.to(src.dtype)[cols]
+    weight = None if col_weight is None else _gather(col_weight.to(src.dtype), cols)
     tiny = torch.finfo(src.dtype).tiny
     alpha = src.new_empty(heads, adj.nnz)
     y = x.new_empty(adj.n_rows, heads, x.shape[2])
     for h in range(heads):
-        e = torch.nn.functional.leaky_relu(src[h][cols] + dst[h][rows], negative_slope)
+        e = torch.nn.functional.leaky_relu(_gather(src[h], cols) + _gather(dst[h], rows), negative_slope)
         row_max = _row_reduce(e, "max", adj.indptr)
-        p = torch.exp(e - row_max[rows])
+        p = torch.exp(e - _gather(row_max, rows))
         if weight is not None:
             p *= weight
         # A row whose weights are all 0 gets alpha = 0 instead of 0/0.
         denominator = _row_reduce(p, "sum", adj.indptr).clamp_min(tiny)
-        torch.div(p, denominator[rows], out=alpha[h])
+        torch.div(p, _gather(denominator, rows), out=alpha[h])
         w_h = _csr_tensor(adj.indptr, adj.indices, alpha[h], (adj.n_rows, adj.n_cols))
         y[:, h] = torch.sparse.mm(w_h, x[:, h].contiguous())
     return y, alpha.t()
@@ -167,7 +177,7 @@ def gat_backward(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """Gradients ``(dx or None, d score_src, d score_dst)`` of :func:`gat_forward`, a head
     at a time (``alpha``: the head-major view :func:`gat_forward` returned)."""
-    rows, cols = _rows_of_entries(adj), adj.indices
+    rows, cols = _entry_rows(adj.indptr, adj.nnz), adj.indices
     alpha = alpha.t().contiguous()  # [H, nnz]: no copy for gat_forward's own result
     src, dst = score_src.t().contiguous(), score_dst.t().contiguous()
     heads = alpha.shape[0]
@@ -180,12 +190,12 @@ def gat_backward(
         g = torch.sparse.sampled_addmm(pattern, dy[:, h], x[:, h].transpose(0, 1), beta=0.0).values()
         # Softmax backward per row: de = alpha * (g - sum_u alpha g).
         row_dot = _row_reduce(a * g, "sum", adj.indptr)
-        de = a * (g - row_dot[rows])
-        ds = torch.where(src[h][cols] + dst[h][rows] > 0, de, de * negative_slope)
+        de = a * (g - _gather(row_dot, rows))
+        ds = torch.where(_gather(src[h], cols) + _gather(dst[h], rows) > 0, de, de * negative_slope)
         d_dst[h] = _row_reduce(ds, "sum", adj.indptr)
-        d_src[h] = _row_reduce(ds[adj.t_edge], "sum", adj.t_indptr)
+        d_src[h] = _row_reduce(_gather(ds, adj.t_edge), "sum", adj.t_indptr)
         if need_dx:
-            w_t = _csr_tensor(adj.t_indptr, adj.t_indices, a[adj.t_edge], (adj.n_cols, adj.n_rows))
+            w_t = _csr_tensor(adj.t_indptr, adj.t_indices, _gather(a, adj.t_edge), (adj.n_cols, adj.n_rows))
             dx[:, h] = torch.sparse.mm(w_t, dy[:, h].contiguous())
     return dx, d_src.t().contiguous(), d_dst.t().contiguous()
 
