@@ -67,10 +67,20 @@ if str(REPO) not in sys.path:  # runnable from a checkout without installing the
 
 from benchmarks.accuracy import attach_time_to_accuracy  # noqa: E402
 from benchmarks.suite import (  # noqa: E402
-    MODELS, MiB, _table, execute, executable, machine, read_train_run, size_flags, threads_per_rank, time_to_accuracy_cell, write_json,
+    MODELS,
+    MiB,
+    _table,
+    executable,
+    execute,
+    machine,
+    read_train_run,
+    size_flags,
+    threads_per_rank,
+    time_to_accuracy_cell,
+    write_json,
 )
-from bnsgcn import report  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
+from bnsgcn.metrics import report  # noqa: E402
 
 PREFIX = "bnsgcn-cl"
 SUBNET = "10.213.0"
@@ -540,8 +550,8 @@ def predicted_inter_node_rows(parts: Path, nodes: int, ranks_per_node: int, p: f
     launcher places them): ``direct``, one per (owner, rank of another node that sampled the
     row); ``hierarchical``, one per (owner, other node); ``factor``, their ratio: the
     replication of the sampled rows over the ranks of a node."""
-    from bnsgcn.format import load_partition
-    from bnsgcn.sampler import sample_boundary
+    from bnsgcn.data.format import load_partition
+    from bnsgcn.data.sampler import sample_boundary
 
     world = nodes * ranks_per_node
     shards = [load_partition(parts, r) for r in range(world)]

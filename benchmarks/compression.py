@@ -29,8 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable from a checkout without installing the package
     sys.path.insert(0, str(REPO))
 
-from benchmarks.suite import ACCURACY, ACCURACY_FLAGS, _table, execute, machine, threads_per_rank, write_json  # noqa: E402
-from bnsgcn.compress import FORMATS  # noqa: E402
+from benchmarks.suite import (  # noqa: E402
+    ACCURACY,
+    ACCURACY_FLAGS,
+    _table,
+    execute,
+    machine,
+    threads_per_rank,
+    write_json,
+)
+from bnsgcn.comm.wire import FORMATS  # noqa: E402
 
 # name -> (dataset spec, parts, partitioner, training flags)
 GRAPHS = {

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bnsgcn.data.format import load_partition
 from bnsgcn.errors import UserError
-from bnsgcn.format import load_partition
 
 
 @dataclass

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.suite import MODELS, REPO, execute, machine, size_flags
-from bnsgcn.format import load_partition
+from bnsgcn.data.format import load_partition
 
 GRAPHS = {
     # the tool writes the Reddit layout; without it (a machine without ../shared) the same
@@ -109,11 +109,11 @@ def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, th
 # ----------------------------------------------------------------------------- PyG
 def pyg_worker(args: argparse.Namespace) -> dict:
     """One PyG measurement in this process (run as a subprocess: its own memory peaks)."""
-    from benchmarks.fullgraph import load_full_graph, peak_rss_bytes
-    from benchmarks.pyg_reference import PygGAT, PygSAGE, adjacency
-
     import torch_geometric
     from torch_geometric.utils import spmm
+
+    from benchmarks.fullgraph import load_full_graph, peak_rss_bytes
+    from benchmarks.pyg_reference import PygGAT, PygSAGE, adjacency
 
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -43,7 +43,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bnsgcn.errors import UserError  # noqa: E402
-from bnsgcn.kernels import ENV_VAR, Adjacency, dropout, gat_aggregate, layer_norm_relu_dropout, spmm  # noqa: E402
+from bnsgcn.kernels import (  # noqa: E402
+    ENV_VAR,
+    Adjacency,
+    dropout,
+    gat_aggregate,
+    layer_norm_relu_dropout,
+    spmm,
+)
 
 FLOAT_BYTES = 4
 

@@ -6,7 +6,7 @@ of a set, renumbers it in ascending global id (inner nodes, and boundary nodes w
 owner's group: the ``--node-order ids`` numbering of the same partition), and times the
 engine's aggregation kernels on both numberings in one process, taking turns: ``A X`` and
 ``A^T dY`` over the inner columns and over the boundary columns (the two products a
-GraphSAGE layer runs, ``bnsgcn.graph.ShardGraph``), for each width. One thread, as a rank
+GraphSAGE layer runs, ``bnsgcn.nn.graph.ShardGraph``), for each width. One thread, as a rank
 runs. Medians and minimums of ``--repeat`` calls (after one unmeasured call each).
 
     python benchmarks/node_order.py --parts-dir /tmp/ref-parts --out benchmarks/results/node_order.json
@@ -33,10 +33,10 @@ if str(REPO) not in sys.path:  # runnable as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 from benchmarks.suite import machine, write_json  # noqa: E402
-from bnsgcn.format import load_partition, read_manifest  # noqa: E402
-from bnsgcn.graph import ShardGraph  # noqa: E402
+from bnsgcn.data.format import load_partition, read_manifest  # noqa: E402
+from bnsgcn.data.shard import Topology, load_shard  # noqa: E402
 from bnsgcn.kernels import backend  # noqa: E402
-from bnsgcn.shard import Topology, load_shard  # noqa: E402
+from bnsgcn.nn.graph import ShardGraph  # noqa: E402
 
 
 def in_id_order(topology: Topology, inner_ids: np.ndarray, boundary_ids: np.ndarray) -> Topology:

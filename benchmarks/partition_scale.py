@@ -44,13 +44,14 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bnsgcn.format import load_partition  # noqa: E402
 from bnsgcn.partition.datasets import Progress, load_dataset  # noqa: E402
 from bnsgcn.partition.datasets.csr import META, write_synthetic_csr  # noqa: E402
 from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec  # noqa: E402
-from bnsgcn.partition.partitioner import METHODS, assign, method_info, resolve_method  # noqa: E402
 from bnsgcn.partition.order import ORDERS, block_positions  # noqa: E402
+from bnsgcn.partition.partitioner import METHODS, assign, method_info, resolve_method  # noqa: E402
 from bnsgcn.partition.writer import format_report, write_partition_set  # noqa: E402
+
+from bnsgcn.data.format import load_partition  # noqa: E402
 
 REDDIT_SIZED = "synthetic:nodes=232965,degree=490,features=602,classes=41"
 GIB = 1024**3

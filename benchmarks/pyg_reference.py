@@ -1,6 +1,6 @@
 """The reference a user would otherwise pick: the same model, full-graph, one process, PyTorch Geometric.
 
-The model mirrors ``bnsgcn.model.GNN`` layer for layer (dropout before each layer, layer
+The model mirrors ``bnsgcn.nn.model.GNN`` layer for layer (dropout before each layer, layer
 norm and activation between layers, Adam, summed cross entropy over training nodes /
 their count):
 
@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.fullgraph import FullGraph, load_full_graph, measure_epochs, peak_rss_bytes, rss_bytes, run_and_emit
+from benchmarks.fullgraph import (
+    FullGraph,
+    load_full_graph,
+    measure_epochs,
+    peak_rss_bytes,
+    rss_bytes,
+    run_and_emit,
+)
 from bnsgcn.errors import UserError
 
 VARIANTS = ("edge_index", "csr")

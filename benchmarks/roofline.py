@@ -169,11 +169,11 @@ if str(REPO) not in sys.path:  # runnable as a script from a checkout
 
 from benchmarks.kernels import FLOAT_BYTES, best_times, copy_bandwidth  # noqa: E402
 from benchmarks.suite import MiB, execute, machine, read_train_run, write_json  # noqa: E402
-from bnsgcn import report  # noqa: E402
+from bnsgcn.data.format import read_manifest  # noqa: E402
+from bnsgcn.data.shard import load_shard  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
-from bnsgcn.format import read_manifest  # noqa: E402
 from bnsgcn.kernels.numba_backend import _PREFETCH_DISTANCE, _prefetch_row  # noqa: E402
-from bnsgcn.shard import load_shard  # noqa: E402
+from bnsgcn.metrics import report  # noqa: E402
 from launch.network import free_port  # noqa: E402
 
 INDEX_BYTES = 4  # int32 column ids

@@ -56,8 +56,8 @@ if str(REPO) not in sys.path:  # runnable from a checkout without installing the
     sys.path.insert(0, str(REPO))
 
 from benchmarks.accuracy import attach_time_to_accuracy, validation_curve  # noqa: E402
-from bnsgcn import report  # noqa: E402
 from bnsgcn.errors import UserError  # noqa: E402
+from bnsgcn.metrics import report  # noqa: E402
 
 # console script -> the module it runs (executed as ``python -m module``, so the suite
 # needs no installed entry points)

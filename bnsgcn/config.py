@@ -12,12 +12,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .device import DEVICES
-from . import straggler
-from .errors import UserError
+from bnsgcn.device import DEVICES
+from bnsgcn.errors import UserError
+from bnsgcn.sync import stragglers as straggler
 
 MODELS = ("graphsage", "gat", "gcn")
-WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.compress encodes
+WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.comm.wire encodes
 EXCHANGES = ("direct", "hierarchical", "auto")
 NONZERO_ROWS = ("auto", "on", "off")
 NORMS = ("layer", "batch", "none")
@@ -126,7 +126,7 @@ class TrainConfig:
 
     @property
     def eval_buffer_bytes(self) -> int:
-        """The most bytes of an evaluation exchange buffer (0: unsliced, see :mod:`bnsgcn.evaluate`)."""
+        """The most bytes of an evaluation exchange buffer (0: unsliced, see :mod:`bnsgcn.run.evaluate`)."""
         return math.ceil(self.eval_buffer_mib * 2**20)
 
     @property
@@ -136,7 +136,7 @@ class TrainConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        """Size of a gradient all-reduce bucket (see :class:`bnsgcn.reducer.GradientReducer`)."""
+        """Size of a gradient all-reduce bucket (see :class:`bnsgcn.sync.reducer.GradientReducer`)."""
         return int(self.bucket_mb * 2**20)
 
     def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
@@ -253,7 +253,7 @@ def validate(c: TrainConfig) -> None:
 
 
 def _check_max_lag(c: TrainConfig) -> None:
-    """What ``--max-lag`` (:mod:`bnsgcn.lag`) needs, in one line each."""
+    """What ``--max-lag`` (:mod:`bnsgcn.exchange.bounded_lag`) needs, in one line each."""
     if c.max_lag is None:
         return
     if c.max_lag < 1:

@@ -9,7 +9,7 @@ Modules:
 * :mod:`bnsgcn.launch.supervisor` -- runs local rank processes, forwards their output and stops
   all of them as soon as one fails.
 * :mod:`bnsgcn.launch.environment` -- reads the rank layout that torchrun or SLURM exported, restart
-  counts, and the launch record handed to the engine (:mod:`bnsgcn.provenance`).
+  counts, and the launch record handed to the engine (:mod:`bnsgcn.run.provenance`).
 * :mod:`bnsgcn.launch.discover` -- finds the partition set to train on.
 * :mod:`bnsgcn.launch.network` -- the master's address (must resolve) and port (default, in use).
 

@@ -26,11 +26,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from bnsgcn.config import TrainConfig, from_args
-from bnsgcn.straggler import check_flags as check_straggler_flags
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
+from bnsgcn.sync.stragglers import check_flags as check_straggler_flags
 
-from .discover import DEFAULT_SEARCH_ROOT, PartitionSet, check_world_size, choose_partition_set
+from .discover import (
+    DEFAULT_SEARCH_ROOT,
+    PartitionSet,
+    check_world_size,
+    choose_partition_set,
+)
 from .environment import (
     RankEnvironment,
     check_one_launcher_per_node,
@@ -43,8 +48,20 @@ from .environment import (
     this_host,
     threads_per_rank,
 )
-from .network import check_master_address, check_port_number, default_master_port, free_port, port_in_use
-from .rank import LAUNCHER_PID_VARIABLE, exit_rank, report_errors, train, training_parser
+from .network import (
+    check_master_address,
+    check_port_number,
+    default_master_port,
+    free_port,
+    port_in_use,
+)
+from .rank import (
+    LAUNCHER_PID_VARIABLE,
+    exit_rank,
+    report_errors,
+    train,
+    training_parser,
+)
 from .supervisor import Child, supervise
 
 PROG = "bnsgcn-train"

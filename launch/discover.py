@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bnsgcn.errors import UserError
-from bnsgcn.format import MANIFEST_NAME, read_manifest
 from bnsgcn.config import check_pool_size
+from bnsgcn.data.format import MANIFEST_NAME, read_manifest
+from bnsgcn.errors import UserError
 
 DEFAULT_SEARCH_ROOT = Path("parts")
 

@@ -17,9 +17,8 @@ import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from bnsgcn.provenance import LAUNCH_VARIABLE
-
 from bnsgcn.errors import UserError
+from bnsgcn.run.provenance import LAUNCH_VARIABLE
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # srun exports SLURM_STEP_ID to its tasks; a bare batch script or salloc shell also has
@@ -117,7 +116,7 @@ def launch_record(mode: str, environ: Mapping[str, str], nodes: list[str] | None
 
 
 def export_launch_record(environ: MutableMapping[str, str], record: dict) -> None:
-    """Hand :func:`launch_record` to the engine (:func:`bnsgcn.provenance.launch_info`)."""
+    """Hand :func:`launch_record` to the engine (:func:`bnsgcn.run.provenance.launch_info`)."""
     environ[LAUNCH_VARIABLE] = json.dumps(record)
 
 

@@ -2,7 +2,7 @@
 
 The local supervisor (:mod:`bnsgcn.launch.supervisor`) starts one of these per local rank with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set;
-:func:`bnsgcn.train.run` reads them. :func:`report_errors` is the error handling shared
+:func:`bnsgcn.run.train.run` reads them. :func:`report_errors` is the error handling shared
 by every rank, here and in ``bnsgcn-train`` under torchrun/SLURM:
 
 * :class:`~bnsgcn.errors.UserError` -> ``error: [rank R] <message>`` on stderr, exit 2
@@ -94,7 +94,7 @@ def _print_prefixed(text: str, prefix: str) -> None:
 def train(config: TrainConfig) -> int:
     """Train this rank; exit status 0 on success."""
     # Imported here: torch and the engine load only in processes that train.
-    from bnsgcn.train import run
+    from bnsgcn.run.train import run
 
     run(config)
     return 0

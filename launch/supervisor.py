@@ -7,7 +7,7 @@ signal, every other child gets SIGTERM, then SIGKILL after ``grace_s`` seconds, 
 line ``error: rank R failed (...): <its last error line>`` is printed. SIGINT/SIGTERM to
 this process stop all children the same way. SIGUSR1 (a batch system's warning ahead of
 a time limit, e.g. ``sbatch --signal=USR1@120``) is passed on to every child, which with
-checkpoints on saves one and exits (:mod:`bnsgcn.stopping`); supervision goes on. No child
+checkpoints on saves one and exits (:mod:`bnsgcn.run.stopping`); supervision goes on. No child
 outlives :func:`supervise`.
 
 The rank named is the cause, not a victim: a rank whose collective failed because of

@@ -23,14 +23,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bnsgcn.errors import UserError
-from bnsgcn.progress import step
+from bnsgcn.metrics.progress import step
 
 from . import Terminated
 from .coarse import coarse_bytes, format_bytes, metis_bytes
 from .order import ORDERS, block_positions, order_bytes
-from .partitioner import METHODS, OBJECTIVES, assign, available_memory, method_info, resolve_method, validate_parts
-from .writer import (find_reusable, format_report, input_entries, probe_writable, remove_stale_temporaries,
-                     write_partition_set, writer_bytes)
+from .partitioner import (
+    METHODS,
+    OBJECTIVES,
+    assign,
+    available_memory,
+    method_info,
+    resolve_method,
+    validate_parts,
+)
+from .writer import (
+    find_reusable,
+    format_report,
+    input_entries,
+    probe_writable,
+    remove_stale_temporaries,
+    write_partition_set,
+    writer_bytes,
+)
 
 DEFAULT_PARTS = 2
 DEFAULT_DATASET = "synthetic"
@@ -120,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment) | {"node_order": args.node_order}
-    from .datasets import resolve_dataset  # imported late: loaders pull in heavy modules
+    from .datasets import (
+        resolve_dataset,  # imported late: loaders pull in heavy modules
+    )
 
     source = resolve_dataset(args.dataset, args.data_dir)
     inputs = input_entries(source.files)

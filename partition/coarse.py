@@ -41,7 +41,7 @@ import numba
 import numpy as np
 
 from bnsgcn.errors import UserError
-from bnsgcn.progress import step
+from bnsgcn.metrics.progress import step
 
 from .graph import Graph
 

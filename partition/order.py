@@ -31,7 +31,7 @@ import math
 import numba
 import numpy as np
 
-from bnsgcn.progress import Progress
+from bnsgcn.metrics.progress import Progress
 
 from .coarse import LP_ROUNDS, _label_propagation, metis_bytes
 from .graph import Graph

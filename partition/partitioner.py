@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from bnsgcn.data.format import sha256_file
 from bnsgcn.errors import UserError
-from bnsgcn.format import sha256_file
 
 from .coarse import coarse_assignment, format_bytes, metis_bytes, vertex_weights
 from .graph import Graph

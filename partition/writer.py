@@ -42,9 +42,16 @@ import numba
 import numpy as np
 
 import bnsgcn
+from bnsgcn.data.format import (
+    MANIFEST_NAME,
+    PART_ARRAYS,
+    part_dir_name,
+    read_manifest,
+    write_array,
+    write_manifest,
+)
 from bnsgcn.errors import UserError
-from bnsgcn.format import MANIFEST_NAME, PART_ARRAYS, part_dir_name, read_manifest, write_array, write_manifest
-from bnsgcn.progress import Progress
+from bnsgcn.metrics.progress import Progress
 
 from .graph import Graph
 

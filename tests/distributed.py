@@ -13,11 +13,11 @@ from queue import Empty
 
 import numpy as np
 import torch
-
-from bnsgcn.config import TrainConfig
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import write_partition_set
+
+from bnsgcn.config import TrainConfig
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -119,7 +119,7 @@ def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[in
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])), GROUP_RANK=str(nodes[rank]))
     torch.set_num_threads(1)
-    from bnsgcn.train import run
+    from bnsgcn.run.train import run
 
     results = []
     try:

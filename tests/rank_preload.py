@@ -10,7 +10,7 @@ launched.
 import numba
 import numpy as np
 
-import bnsgcn.train  # noqa: F401  (the import is the point)
+import bnsgcn.run.train  # noqa: F401  (the import is the point)
 
 
 @numba.njit

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bnsgcn.partition.graph import Graph, canonical_csr
 from torch import Tensor
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.model import GNN
-from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.nn.model import GNN
 
 
 def dense_adjacency(graph: Graph) -> Tensor:

@@ -2,7 +2,7 @@
 data on the host: on CUDA each such call on a device tensor waits for the device.
 
 :func:`instrument` is handed to :func:`tests.distributed.run_ranks`: inside each rank it
-wraps ``bnsgcn.train._train`` in a :class:`torch.overrides.TorchFunctionMode` that records
+wraps ``bnsgcn.run.train._train`` in a :class:`torch.overrides.TorchFunctionMode` that records
 from the first training epoch until the report is written. A call is named by where it is
 made, ``module.function:operation`` (``exchange.exchange_selections:cpu``); calls made
 inside torch itself (the optimizer, say) are not the engine's and are left to
@@ -83,10 +83,10 @@ def _site(frame) -> str | None:
 
 
 def _during_epochs(start, stop, around=None):
-    """Patch ``bnsgcn.train`` in this rank: ``start()`` before the first epoch of the next
+    """Patch ``bnsgcn.run.train`` in this rank: ``start()`` before the first epoch of the next
     run, ``stop()`` when its report begins (``_finish``), and the whole of ``_train`` inside
     the context manager ``around`` when given. Returns the function that undoes the patch."""
-    from bnsgcn import train
+    from bnsgcn.run import train
 
     original = train._train, train._train_epoch, train._finish
     started = [False]

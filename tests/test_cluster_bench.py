@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cluster as cl
-from benchmarks.accuracy import attach_time_to_accuracy, time_to_accuracy, validation_curve
+from benchmarks.accuracy import (
+    attach_time_to_accuracy,
+    time_to_accuracy,
+    validation_curve,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "synthetic:nodes=400,degree=4,classes=4,features=8"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn.compress import FORMATS, WireFormat, dequantize, quantize
+from bnsgcn.comm.wire import FORMATS, WireFormat, dequantize, quantize
 from bnsgcn.config import TrainConfig
 from bnsgcn.kernels import ENV_VAR
 
@@ -118,8 +118,8 @@ def test_unknown_wire_format_is_one_line_error(tmp_path, flag):
 
 def test_gradients_of_compressed_rows_reach_their_owners():
     """One rank: the exchange's backward decodes what its forward's sender receives."""
-    from bnsgcn.comm import Comm
-    from bnsgcn.exchange import BoundaryExchange, ExchangePlan
+    from bnsgcn.comm.communicator import Comm
+    from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
 
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     plan = ExchangePlan(torch.tensor([2, 0, 2]), [3], [3])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
-from bnsgcn.config import TrainConfig
 from bnsgcn.partition.datasets import load_dataset
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import write_partition_set
+
+from bnsgcn.config import TrainConfig
 
 from .distributed import SHARED_DATA, run_ranks
 

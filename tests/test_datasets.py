@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from bnsgcn.errors import UserError
 from bnsgcn.partition.datasets import Progress, load_dataset
 from bnsgcn.partition.graph import Graph
+
+from bnsgcn.errors import UserError
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -10,13 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn.comm import Comm
+from bnsgcn.comm.communicator import Comm
 from bnsgcn.config import TrainConfig
 from bnsgcn.errors import UserError
 from bnsgcn.kernels import Adjacency
-from bnsgcn.timing import DeviceClock
+from bnsgcn.metrics.timing import DeviceClock
 
-from .distributed import free_port, graph_with_island, partition, random_graph, run_ranks
+from .distributed import (
+    free_port,
+    graph_with_island,
+    partition,
+    random_graph,
+    run_ranks,
+)
 from .syncs import instrument
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
@@ -132,7 +138,7 @@ def test_collective_waits_are_timed_on_the_device_clock():
 
 
 def test_epoch_account_resolves_phases_once():
-    from bnsgcn.accounting import EpochAccount
+    from bnsgcn.metrics.accounting import EpochAccount
 
     FakeEvent.log, FakeEvent.clock_ms = [], 0.0
     account = EpochAccount(clock=DeviceClock(torch.device("cuda", 0), event=FakeEvent))
@@ -145,7 +151,7 @@ def test_epoch_account_resolves_phases_once():
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     account.values["loss_sum"] = torch.tensor(3.5)  # left on the device until the epoch's end
     row = account.gather(comm)[0].tolist()
-    values = dict(zip(__import__("bnsgcn.accounting").accounting.COLUMNS, row))
+    values = dict(zip(__import__("bnsgcn.metrics.accounting").accounting.COLUMNS, row))
     assert FakeEvent.log.count("synchronize") == 1
     assert values["loss_sum"] == 3.5
     assert values["epoch_time"] == pytest.approx(0.010) and values["time_sampling"] == pytest.approx(0.002) and values["time_forward"] == pytest.approx(0.002)
@@ -178,7 +184,7 @@ def test_all_to_all_refuses_splits_nccl_would_refuse():
 def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says, expected):
     """NCCL refuses a second rank on a GPU (two launchers on one machine, each numbering its
     GPUs from 0): the job ends in one line naming the fix; other NCCL errors pass unchanged."""
-    from bnsgcn import comm as comm_module
+    from bnsgcn.comm.communicator import communicator as comm_module
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -223,7 +229,7 @@ def test_select_columns_with_host_sizes_equals_without(monkeypatch, weighted):
 def test_recorder_names_engine_reads_and_ignores_others():
     """What the epoch-loop test relies on: a host read made by engine code is recorded under
     its function, one made elsewhere (here, the test) is not, nor anything while paused."""
-    from bnsgcn import train
+    from bnsgcn.run import train
 
     from .syncs import SyncRecorder
 

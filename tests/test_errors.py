@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
+from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
-from bnsgcn.shard import load_shard
 
 from .distributed import partition, random_graph
 

@@ -1,4 +1,4 @@
-"""Evaluation in column slices (bnsgcn.evaluate): the same logits as the unsliced pass and as
+"""Evaluation in column slices (bnsgcn.run.evaluate): the same logits as the unsliced pass and as
 the dense float64 reference, for every model, with direct and node-aware exchange; smaller
 buffers in the memory report."""
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn import evaluate, report
-from bnsgcn.exchange import ExchangePlan, Relay
-from bnsgcn.format import load_partition
+from bnsgcn.data.format import load_partition
+from bnsgcn.exchange.synchronous import ExchangePlan, Relay
+from bnsgcn.metrics import report
+from bnsgcn.run import evaluate
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks

@@ -1,5 +1,5 @@
 """The inner columns' product computed in the exchange's autograd node
-(:meth:`bnsgcn.exchange.BoundaryExchange.start_aggregating`): one rank, the exchange alone,
+(:meth:`bnsgcn.exchange.synchronous.BoundaryExchange.start_aggregating`): one rank, the exchange alone,
 against a dense float64 reference written here."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bnsgcn.comm import Comm
-from bnsgcn.exchange import BoundaryExchange, ExchangePlan
+from bnsgcn.comm.communicator import Comm
+from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
 from bnsgcn.kernels import Adjacency
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from bnsgcn.errors import UserError
-from bnsgcn.log import MetricsWriter
+from bnsgcn.metrics.log import MetricsWriter
 
 from .distributed import free_port, partition, random_graph
 from .test_errors import RANK_VARIABLES, TRAIN, assert_kept, run_cli, snapshot

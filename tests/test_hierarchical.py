@@ -18,10 +18,16 @@ import pytest
 import torch
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.format import load_partition
-from bnsgcn.sampler import sample_boundary
+from bnsgcn.data.format import load_partition
+from bnsgcn.data.sampler import sample_boundary
 
-from .distributed import free_port, graph_with_island, partition, random_graph, run_ranks
+from .distributed import (
+    free_port,
+    graph_with_island,
+    partition,
+    random_graph,
+    run_ranks,
+)
 
 RANKS_PER_NODE = 2
 SEED = 5
@@ -143,7 +149,7 @@ def test_unknown_exchange_is_one_line_error(tmp_path):
 
 
 def test_delegates_spread_rows_over_requesters():
-    from bnsgcn.hierarchy import _delegates
+    from bnsgcn.comm.planners import _delegates
 
     wanted = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0]], dtype=torch.bool)
     position = torch.arange(5)

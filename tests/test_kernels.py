@@ -12,7 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from bnsgcn.errors import UserError
-from bnsgcn.kernels import ENV_VAR, Adjacency, buffers, cross_entropy_rows, dropout, gat_aggregate, kernel_backend, layer_norm_relu_dropout, numba_backend, spmm, spmm_add_
+from bnsgcn.kernels import (
+    ENV_VAR,
+    Adjacency,
+    buffers,
+    cross_entropy_rows,
+    dropout,
+    gat_aggregate,
+    kernel_backend,
+    layer_norm_relu_dropout,
+    numba_backend,
+    spmm,
+    spmm_add_,
+)
 
 # numba's kernels run on one thread for one-thread ranks or small inputs, on several otherwise: both.
 BACKENDS = ("numba-one-thread", "numba-parallel", "torch")

@@ -1,4 +1,4 @@
-"""``--max-lag S`` (bnsgcn.lag): boundary rows and gradients point to point, up to S epochs old.
+"""``--max-lag S`` (bnsgcn.exchange.bounded_lag): boundary rows and gradients point to point, up to S epochs old.
 
 * S = 1 equals ``--staleness 1`` (same seed: the same losses and parameters, to float
   rounding), for GraphSAGE and GAT, with and without smoothing, with ``allreduce`` and with a
@@ -39,7 +39,18 @@ from bnsgcn.errors import UserError
 from .distributed import partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_user_error, run_cli
 from .test_faults import (
-    FINISH_S, START_S, assert_hung_rank_named, assert_killed_rank_is_named, descendants, kill_job, last_epoch, rank_process, start, stderr_of, train_args, wait_for,
+    FINISH_S,
+    START_S,
+    assert_hung_rank_named,
+    assert_killed_rank_is_named,
+    descendants,
+    kill_job,
+    last_epoch,
+    rank_process,
+    start,
+    stderr_of,
+    train_args,
+    wait_for,
 )
 from .test_slurm import clean_env
 

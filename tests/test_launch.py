@@ -19,13 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from bnsgcn.device import resolve_device
-from bnsgcn.errors import JobStopped, PeerLost, UserError
-from bnsgcn.format import write_manifest
 from bnsgcn.launch import cli
-from bnsgcn.provenance import launch_info, run_name_suffix
-from bnsgcn.launch.discover import PartitionSet, check_world_size, choose_partition_set, find_partition_sets
+from bnsgcn.launch.discover import (
+    PartitionSet,
+    check_world_size,
+    choose_partition_set,
+    find_partition_sets,
+)
 from bnsgcn.launch.environment import (
     RankEnvironment,
     detect_rank_environment,
@@ -37,6 +37,11 @@ from bnsgcn.launch.environment import (
 from bnsgcn.launch.network import default_master_port, free_port, port_in_use
 from bnsgcn.launch.rank import report_errors, training_parser
 from bnsgcn.launch.supervisor import Child, supervise
+
+from bnsgcn.data.format import write_manifest
+from bnsgcn.device import resolve_device
+from bnsgcn.errors import JobStopped, PeerLost, UserError
+from bnsgcn.run.provenance import launch_info, run_name_suffix
 
 PY = sys.executable
 PRINT_PID = "import os; print('pid', os.getpid(), flush=True)"
@@ -638,11 +643,11 @@ def test_report_errors_stop_signal_and_named_peer(capsys):
 def test_one_device_rule_for_launcher_and_engine(tmp_path, monkeypatch, clean_environment):
     import torch
 
-    import bnsgcn.comm
+    import bnsgcn.comm.communicator
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert (resolve_device("auto", 2), resolve_device("auto", 3), resolve_device("cpu", 1), resolve_device("cuda", 8)) == ("cuda", "cpu", "cpu", "cuda")
-    assert bnsgcn.comm.resolve_device is resolve_device  # the engine's ranks decide by the same rule
+    assert bnsgcn.comm.communicator.resolve_device is resolve_device  # the engine's ranks decide by the same rule
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
     make_set(tmp_path / "parts" / "three", 3)

@@ -9,11 +9,11 @@ import weakref
 
 import torch
 
-from bnsgcn.comm import Comm
-from bnsgcn.compress import EXACT, WireFormat
-from bnsgcn.exchange import BoundaryExchange, ExchangePlan
-from bnsgcn.shard import Topology
-from bnsgcn.stale import StaleExchange
+from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.wire import EXACT, WireFormat
+from bnsgcn.data.shard import Topology
+from bnsgcn.exchange.stale import StaleExchange
+from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
 
 
 def _one_rank() -> Comm:
@@ -60,8 +60,8 @@ def test_stale_exchange_leaves_no_cycle():
 
 
 def test_each_model_builds_only_the_adjacencies_it_uses(tmp_path):
-    from bnsgcn.graph import ShardGraph
-    from bnsgcn.shard import load_shard
+    from bnsgcn.data.shard import load_shard
+    from bnsgcn.nn.graph import ShardGraph
 
     from .distributed import partition, random_graph
 
@@ -78,8 +78,8 @@ def test_each_model_builds_only_the_adjacencies_it_uses(tmp_path):
 
 def test_gcn_with_precomputed_aggregation_draws_no_input_mask(monkeypatch):
     """GCN's first layer then reads only x_agg: a mask over x would be drawn and thrown away."""
-    from bnsgcn import model as model_module
     from bnsgcn.config import TrainConfig
+    from bnsgcn.nn import model as model_module
 
     masked: list[torch.Tensor] = []
     real = model_module.RecomputedDropout.__call__  # the input dropout of layer 0
@@ -97,9 +97,9 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
     """One GraphSAGE layer, 6 -> 6 columns, over a world of one whose 4 inner rows are also
     its boundary columns: (output, gradients of input and weights, bytes kept for backward
     in tensors of a row per node, as the input)."""
-    from bnsgcn.exchange import full_plan
-    from bnsgcn.graph import ShardGraph
-    from bnsgcn.layers import SAGEConv
+    from bnsgcn.exchange.synchronous import full_plan
+    from bnsgcn.nn.graph import ShardGraph
+    from bnsgcn.nn.layers import SAGEConv
 
     indptr = torch.tensor([0, 3, 5, 8, 10])
     indices = torch.tensor([0, 5, 6, 1, 4, 2, 3, 7, 3, 6])
@@ -127,7 +127,7 @@ def test_graphsage_multiplying_first_at_equal_widths_keeps_one_activation_less()
     """At equal widths GraphSAGE multiplies first (unless its input rows should cross as
     nonzero entries): the same output and gradients as aggregating first, and backward
     keeps the input alone, not also the aggregation."""
-    from bnsgcn.layers import SAGEConv
+    from bnsgcn.nn.layers import SAGEConv
 
     assert SAGEConv(6, 6, slot=1).multiplies_first and not SAGEConv(6, 6, slot=1, exchange_input=True).multiplies_first
     out_mf, grads_mf, kept_mf = _sage_layer_run(exchange_input=False)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn.comm import Comm
-from bnsgcn.exchange import fetch_boundary, make_plan
-from bnsgcn.sampler import sample_boundary
-from bnsgcn.shard import load_shard
+from bnsgcn.comm.communicator import Comm
+from bnsgcn.data.sampler import sample_boundary
+from bnsgcn.data.shard import load_shard
+from bnsgcn.exchange.synchronous import fetch_boundary, make_plan
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks

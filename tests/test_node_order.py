@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 
+import bnsgcn.partition.order as order_module
 import numpy as np
 import pytest
-
-import bnsgcn.partition.order as order_module
-from bnsgcn.errors import UserError
-from bnsgcn.format import load_partition, read_manifest
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.order import block_positions
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import find_reusable, write_partition_set
+
+from bnsgcn.data.format import load_partition, read_manifest
+from bnsgcn.errors import UserError
 
 from . import reference
 from .distributed import random_graph, run_ranks
@@ -115,7 +115,7 @@ def test_node_order_benchmark_renumbers_a_block_set_as_the_id_set(tmp_path, monk
     """benchmarks/node_order.py times a partition in its own order and in ascending ids; its
     renumbering of a block-ordered partition is exactly what the writer makes in id order."""
     from benchmarks import node_order as bench
-    from bnsgcn.shard import load_shard
+    from bnsgcn.data.shard import load_shard
 
     monkeypatch.setattr(order_module, "BLOCK_NODES", 50)
     graph = community_graph(communities=4, size=150, seed=5)

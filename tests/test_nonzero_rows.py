@@ -1,4 +1,4 @@
-"""Boundary rows that cross as their nonzero entries (:func:`bnsgcn.exchange.start_nonzero_rows`).
+"""Boundary rows that cross as their nonzero entries (:func:`bnsgcn.exchange.synchronous.start_nonzero_rows`).
 
 A hidden layer that aggregates first exchanges its input, a ReLU's output after dropout: a
 zero entry passes no gradient back, so its row crosses as a bitmap and the nonzero entries,
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn import report
-from bnsgcn.comm import Comm
-from bnsgcn.exchange import BoundaryExchange, ExchangePlan
+from bnsgcn.comm.communicator import Comm
+from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
+from bnsgcn.metrics import report
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks
@@ -106,18 +106,18 @@ def record_gradients_aggregating_first():
     """:func:`record_gradients`, with GraphSAGE's equal-width layers aggregating first, as
     they do under ``--nonzero-rows on`` (``off`` multiplies first: the same result, other
     sums): dense rows then run the very sums the nonzero ones do."""
-    import bnsgcn.model
-    from bnsgcn.layers import SAGEConv
+    import bnsgcn.nn.model
+    from bnsgcn.nn.layers import SAGEConv
 
     class AggregatingFirst(SAGEConv):
         def __init__(self, d_in: int, d_out: int, slot: int, exchange_input: bool = False):
             super().__init__(d_in, d_out, slot, exchange_input=True)
 
-    bnsgcn.model.SAGEConv = AggregatingFirst
+    bnsgcn.nn.model.SAGEConv = AggregatingFirst
     collect = record_gradients()
 
     def restore():
-        bnsgcn.model.SAGEConv = SAGEConv
+        bnsgcn.nn.model.SAGEConv = SAGEConv
         return collect()
 
     return restore
@@ -176,8 +176,8 @@ def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
 
 @pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])
 def test_auto_is_on_when_the_job_spans_machines(keys, expected):
-    from bnsgcn.comm import Nodes
-    from bnsgcn.exchange import resolve_nonzero_rows
+    from bnsgcn.comm.communicator import Nodes
+    from bnsgcn.exchange.synchronous import resolve_nonzero_rows
 
     class TwoRanks:
         nodes = Nodes.from_keys(keys)

@@ -1,9 +1,9 @@
-"""bnsgcn.optim.Adam: the engine's Adam, without torch.optim (which imports torch._dynamo).
+"""bnsgcn.nn.optim.Adam: the engine's Adam, without torch.optim (which imports torch._dynamo).
 
 * the same bits as torch.optim.Adam's default CPU path, with and without weight decay,
   including parameters that get no gradient;
 * its state exists before the first step (every rank's parameter average covers the same
-  tensors, bnsgcn.paramsync) and changes nothing;
+  tensors, bnsgcn.sync.averaging) and changes nothing;
 * state dicts load across the two, and a resumed optimizer continues exactly;
 * building and stepping it does not import torch._dynamo.
 """
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from bnsgcn.optim import Adam
+from bnsgcn.nn.optim import Adam
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -92,7 +92,7 @@ def test_a_state_of_other_parameters_is_refused():
 def test_does_not_import_dynamo():
     code = (
         "import sys, torch\n"
-        "from bnsgcn.optim import Adam\n"
+        "from bnsgcn.nn.optim import Adam\n"
         "p = torch.nn.Parameter(torch.ones(2)); o = Adam([p], lr=0.1); p.grad = torch.ones(2); o.step()\n"
         "torch.optim.Adam([torch.nn.Parameter(torch.ones(1))]) if len(sys.argv) > 1 else None\n"
         "print('torch._dynamo' in sys.modules)\n"

@@ -2,31 +2,47 @@
 
 Graphs are built directly (random, with isolated nodes, a path, clustered) so these tests
 do not depend on the dataset loaders. Every set is read back through
-``bnsgcn.format.load_partition`` and compared with the graph it came from.
+``bnsgcn.data.format.load_partition`` and compared with the graph it came from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
-from bnsgcn.errors import UserError
-from bnsgcn.format import PART_ARRAYS, load_partition, read_manifest, write_manifest
+import numpy as np
+import pytest
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.order import block_positions
-from bnsgcn.partition.partitioner import assign, method_info, random_assignment, read_assignment
-from bnsgcn.partition.writer import find_reusable, format_report, input_entries, remove_stale_temporaries, write_partition_set
+from bnsgcn.partition.partitioner import (
+    assign,
+    method_info,
+    random_assignment,
+    read_assignment,
+)
+from bnsgcn.partition.writer import (
+    find_reusable,
+    format_report,
+    input_entries,
+    remove_stale_temporaries,
+    write_partition_set,
+)
+
+from bnsgcn.data.format import (
+    PART_ARRAYS,
+    load_partition,
+    read_manifest,
+    write_manifest,
+)
+from bnsgcn.errors import UserError
 
 
 def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False) -> Graph:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from bnsgcn.errors import UserError
-from bnsgcn.format import load_partition, read_manifest
-from bnsgcn.progress import Progress, step
 from bnsgcn.partition.cli import default_out_dir, main
+
+from bnsgcn.data.format import load_partition, read_manifest
+from bnsgcn.errors import UserError
+from bnsgcn.metrics.progress import Progress, step
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -394,6 +394,7 @@ def test_step_shorter_than_the_heartbeat_shows_none():
 
 def test_synthetic_dataset_end_to_end(tmp_path, capsys):
     from bnsgcn.partition.datasets import load_dataset
+
     from tests.test_partition import check_partition_set
 
     spec = "synthetic:nodes=600,degree=8,features=4,classes=3,seed=2"

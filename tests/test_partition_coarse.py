@@ -13,16 +13,13 @@ import json
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 import bnsgcn.partition.coarse as coarse_module
 import bnsgcn.partition.datasets as datasets_module
 import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
-from bnsgcn.errors import UserError
-from bnsgcn.format import read_manifest
+import numpy as np
+import pytest
 from bnsgcn.partition.cli import main, parse_size
 from bnsgcn.partition.coarse import balance_caps, metis_bytes
 from bnsgcn.partition.datasets import Progress, load_dataset
@@ -31,7 +28,17 @@ from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec
 from bnsgcn.partition.graph import Graph
 from bnsgcn.partition.partitioner import assign, method_info, resolve_method
 from bnsgcn.partition.writer import write_partition_set
-from tests.test_partition import check_partition_set, clustered_graph, isolated_graph, make_graph, path_graph, random_graph
+
+from bnsgcn.data.format import read_manifest
+from bnsgcn.errors import UserError
+from tests.test_partition import (
+    check_partition_set,
+    clustered_graph,
+    isolated_graph,
+    make_graph,
+    path_graph,
+    random_graph,
+)
 
 # How much more the coarse partitioner may cut than METIS on the planted-partition graph.
 CUT_FACTOR = 1.25
@@ -274,7 +281,7 @@ def test_writer_memory_is_a_fraction_of_the_edges(tmp_path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    checksum_block = 4 << 20  # bnsgcn.format.sha256_file's read size
+    checksum_block = 4 << 20  # bnsgcn.data.format.sha256_file's read size
     assert peak < checksum_block + 0.4 * graph.num_edges * 4, (peak, graph.num_edges)
     check_partition_set(graph, tmp_path / "set", 8)
 

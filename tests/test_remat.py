@@ -1,5 +1,5 @@
 """The lean engine: recomputation in backward (``--remat`` and the always-on cheap segments of
-:class:`bnsgcn.model.GNN`) and partition files used in place.
+:class:`bnsgcn.nn.model.GNN`) and partition files used in place.
 
 * At p = 1 without dropout, ``--remat`` runs equal the dense float64 reference (every model,
   batch norm too, whose all-reduce stays outside the recomputed segments).
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnsgcn import report
-from bnsgcn.format import PART_ARRAYS, sha256_file
-from bnsgcn.optim import Adam
-from bnsgcn.shard import load_shard
+from bnsgcn.data.format import PART_ARRAYS, sha256_file
+from bnsgcn.data.shard import load_shard
+from bnsgcn.metrics import report
+from bnsgcn.nn.optim import Adam
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from bnsgcn import report
-from bnsgcn.accounting import COLUMNS
 from bnsgcn.config import TrainConfig
-from bnsgcn.format import load_partition
-from bnsgcn.memory import HOLDERS
+from bnsgcn.data.format import load_partition
+from bnsgcn.metrics import report
+from bnsgcn.metrics.accounting import COLUMNS
+from bnsgcn.metrics.memory import HOLDERS
 
 from .distributed import partition, random_graph, run_ranks
 
@@ -101,7 +101,7 @@ def test_table_shows_every_rank_and_the_straggler():
     assert row.split()[1:] == ["1.50", "0.50", "0.10", "1.50", "0.70", "0.10", "2.14", "rank", "0"]
     row = next(line for line in lines if line.startswith("peak memory (MiB)"))
     assert row.split()[3:6] == ["3.0", "1.0", "2.0"]
-    # the holders of a rank's memory, each a row, in the order of bnsgcn.memory.HOLDERS
+    # the holders of a rank's memory, each a row, in the order of bnsgcn.metrics.memory.HOLDERS
     holder_rows = [next(i for i, line in enumerate(lines) if line.startswith(f"{label} (MiB)")) for label in HOLDERS.values()]
     assert holder_rows == sorted(holder_rows)
 
@@ -150,7 +150,7 @@ def test_the_cli_reads_runs_without_importing_torch(tmp_path):
     report.write(run, _hand_report(), figures=False)
     probe = (
         "import sys\n"
-        "from bnsgcn import report\n"
+        "from bnsgcn.metrics import report\n"
         "assert report.main(sys.argv[1:2]) == 0 and report.main(sys.argv[1:3]) == 0\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bnsgcn import checkpoint
 from bnsgcn.config import TrainConfig
 from bnsgcn.errors import UserError
-from bnsgcn.train import _load_checkpoint
+from bnsgcn.run import checkpoint
+from bnsgcn.run.train import _load_checkpoint
 
 SIGNATURE = {"model": "graphsage"}
 

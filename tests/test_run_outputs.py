@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bnsgcn.comm import Comm
+from bnsgcn.comm.communicator import Comm
 from bnsgcn.config import TrainConfig, validate
 from bnsgcn.errors import UserError
-from bnsgcn.model import GNN
-from bnsgcn.reducer import GradientReducer
-from bnsgcn.train import _score_counts, _scores
+from bnsgcn.nn.model import GNN
+from bnsgcn.run.train import _score_counts, _scores
+from bnsgcn.sync.reducer import GradientReducer
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks

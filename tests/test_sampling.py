@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.exchange import full_plan, pack_segments, unpack_segments
-from bnsgcn.graph import ShardGraph
+from bnsgcn.data.sampler import sample_boundary
+from bnsgcn.data.shard import load_shard
+from bnsgcn.exchange.synchronous import full_plan, pack_segments, unpack_segments
 from bnsgcn.kernels import spmm
-from bnsgcn.sampler import sample_boundary
-from bnsgcn.shard import load_shard
+from bnsgcn.nn.graph import ShardGraph
 
 from .distributed import partition, random_graph, run_ranks
 

@@ -8,7 +8,13 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from bnsgcn.config import TrainConfig, add_arguments, flag_name, from_args, shown_default
+from bnsgcn.config import (
+    TrainConfig,
+    add_arguments,
+    flag_name,
+    from_args,
+    shown_default,
+)
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 

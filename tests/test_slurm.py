@@ -151,7 +151,7 @@ def test_the_store_names_the_rank_that_stopped_or_failed_first():
 
     import torch.distributed as dist
 
-    from bnsgcn.comm import Comm
+    from bnsgcn.comm.communicator import Comm
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
 

@@ -1,4 +1,4 @@
-"""``--staleness 1``: boundary rows and their gradients one epoch stale (bnsgcn.stale).
+"""``--staleness 1``: boundary rows and their gradients one epoch stale (bnsgcn.exchange.stale).
 
 The runs are checked against a dense float64 implementation of the stale update written
 here, independent of the engine's layers, kernels and exchange: in epoch t, every
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.format import load_partition
-from bnsgcn.sampler import sample_boundary
+from bnsgcn.data.format import load_partition
+from bnsgcn.data.sampler import sample_boundary
 
 from .distributed import partition, random_graph, run_ranks
 from .reference import dense_adjacency, exact_config, initial_params

@@ -1,4 +1,4 @@
-"""When some ranks are slower: ``--inject-delay`` and ``--sync`` (bnsgcn.straggler, bnsgcn.paramsync).
+"""When some ranks are slower: ``--inject-delay`` and ``--sync`` (bnsgcn.sync.stragglers, bnsgcn.sync.averaging).
 
 * flags: bad values refused in one line, on the parser and in the launcher before any rank starts;
 * injected delay: its own phase in the epoch records and report.json, never compute; seeded draws;
@@ -35,11 +35,18 @@ import torch.distributed as dist
 
 from bnsgcn.config import TrainConfig, validate
 from bnsgcn.errors import UserError
-from bnsgcn import paramsync
-from bnsgcn.paramsync import find_partner
-from bnsgcn.straggler import InjectedDelay, check_world, parse_delays, parse_sync
+from bnsgcn.sync import averaging as paramsync
+from bnsgcn.sync.averaging import find_partner
+from bnsgcn.sync.stragglers import InjectedDelay, check_world, parse_delays, parse_sync
 
-from .distributed import cora_metis, final_test_score, free_port, partition, random_graph, run_ranks
+from .distributed import (
+    cora_metis,
+    final_test_score,
+    free_port,
+    partition,
+    random_graph,
+    run_ranks,
+)
 from .test_errors import TRAIN, assert_user_error, run_cli
 from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
 

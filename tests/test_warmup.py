@@ -97,7 +97,7 @@ def test_a_job_without_the_stamp_compiles_in_one_process_first_and_the_next_job_
 
 
 def test_a_failed_warm_up_is_one_line_naming_the_command_to_rerun(monkeypatch, tmp_path):
-    from bnsgcn import train
+    from bnsgcn.run import train
 
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'ImportError: no module named numba' >&2\nexit 1\n")

@@ -1,4 +1,4 @@
-"""``--work-pool`` (bnsgcn.workpool, bnsgcn.poolsync): more partitions than ranks, taken from a pool.
+"""``--work-pool`` (bnsgcn.sync.workpool, bnsgcn.sync.pool_averaging): more partitions than ranks, taken from a pool.
 
 * the evaluation shard, the union of a rank's partitions, equals the partition of the same
   graph written directly with the merged assignment (edges, degrees, boundary and send lists
@@ -21,14 +21,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bnsgcn.partition.partitioner import assign
 
 from bnsgcn.config import TrainConfig, validate
+from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
-from bnsgcn.partition.partitioner import assign
-from bnsgcn.shard import load_shard
-from bnsgcn.workpool import merge_partitions, pool_order
+from bnsgcn.sync.workpool import merge_partitions, pool_order
 
-from .distributed import cora_metis, final_test_score, partition, random_graph, run_ranks
+from .distributed import (
+    cora_metis,
+    final_test_score,
+    partition,
+    random_graph,
+    run_ranks,
+)
 from .reference import dense_adjacency, initial_params
 from .test_errors import TRAIN, assert_user_error, run_cli
 from .test_faults import assert_killed_rank_is_named, train_args
@@ -66,7 +72,7 @@ def _edges_and_lists(shard, inner_ids: np.ndarray, boundary_ids: np.ndarray) -> 
 
 @pytest.mark.parametrize("world", (1, 2, 4))
 def test_merged_shard_equals_the_partition_written_directly(graph, parts6, tmp_path, world):
-    from bnsgcn.format import load_partition
+    from bnsgcn.data.format import load_partition
 
     shards = [load_shard(parts6, k, PARTS) for k in range(PARTS)]
     ids = {k: (load_partition(parts6, k)["inner_nodes"], load_partition(parts6, k)["boundary_nodes"]) for k in range(PARTS)}

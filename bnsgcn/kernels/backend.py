@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from ..errors import UserError
+from bnsgcn.errors import UserError
 
 ENV_VAR = "BNSGCN_KERNELS"
 CHOICES = ("auto", "numba", "torch")

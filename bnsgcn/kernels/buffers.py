@@ -1,7 +1,7 @@
 """Activation-sized buffers reused within and across training steps (CPU).
 
 A tensor of 1 MiB or more gets its own memory mapping from the C library
-(:func:`bnsgcn.memory.return_freed_memory`), returned to the system when the tensor is
+(:func:`bnsgcn.metrics.memory.return_freed_memory`), returned to the system when the tensor is
 freed. A training step of a 3-layer GraphSAGE on a 100,000-node partition allocates about
 fifty such tensors (1.4 GB), and the kernel faults in and zeroes every one of them before
 it is written: in a profile, 17% of the rank's CPU time was in the kernel, 11% zeroing

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from bnsgcn.partition.graph import Graph, canonical_csr
 
 from bnsgcn.errors import UserError
-from bnsgcn.progress import step
-from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.metrics.progress import step
 
 DEFAULT_DATA_DIR = Path("data")
 PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
@@ -35,7 +35,7 @@ SPEC_FORMS = (*DATASET_NAMES, "saint:<name>", "npz:<path>", "csr:<dir>", "synthe
 
 
 class Progress:
-    """The named steps of one dataset load, each shown by :func:`bnsgcn.progress.step`."""
+    """The named steps of one dataset load, each shown by :func:`bnsgcn.metrics.progress.step`."""
 
     def __init__(self, dataset: str, enabled: bool = True) -> None:
         self.dataset = dataset

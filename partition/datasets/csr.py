@@ -36,12 +36,27 @@ from pathlib import Path
 
 import numba
 import numpy as np
-
-from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph, _sorted_unique
 
-from . import DatasetSource, Progress, _check_labels, _check_masks, check_features, random_split_masks
-from .synthetic import CHUNK, SyntheticConfig, draw_labels, edge_sampler, fill_features, graph_name, random_streams
+from bnsgcn.errors import UserError
+
+from . import (
+    DatasetSource,
+    Progress,
+    _check_labels,
+    _check_masks,
+    check_features,
+    random_split_masks,
+)
+from .synthetic import (
+    CHUNK,
+    SyntheticConfig,
+    draw_labels,
+    edge_sampler,
+    fill_features,
+    graph_name,
+    random_streams,
+)
 
 META = "graph.json"
 ARRAYS = ("indptr", "indices", "features", "labels", "train_mask", "val_mask", "test_mask")

@@ -21,9 +21,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
-from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, random_split_masks
 

@@ -39,9 +39,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
-from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir, read_split_masks
 from .planetoid import ALLOWED_GLOBALS, restricted_unpickle

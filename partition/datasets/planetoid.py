@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
-from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import csr_row_ids, dense_from_sparse

@@ -12,8 +12,9 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph
+
+from bnsgcn.errors import UserError
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import NpzArrays, read_sparse

@@ -19,11 +19,18 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-
-from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph
 
-from . import DatasetSource, Progress, build_graph, check_features, find_dataset_dir, read_split_masks
+from bnsgcn.errors import UserError
+
+from . import (
+    DatasetSource,
+    Progress,
+    build_graph,
+    check_features,
+    find_dataset_dir,
+    read_split_masks,
+)
 from .npz import NpzArrays, read_sparse
 
 FILES = ("adj_full.npz", "feats.npy", "class_map.json", "role.json")

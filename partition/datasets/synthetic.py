@@ -31,9 +31,9 @@ from dataclasses import dataclass, fields, replace
 from functools import partial
 
 import numpy as np
+from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
-from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, random_split_masks
 

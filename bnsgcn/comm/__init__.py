@@ -1,0 +1,1 @@
+"""Communication: the process groups and collectives, wire formats, exchange plans."""

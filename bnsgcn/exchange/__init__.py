@@ -1,0 +1,1 @@
+"""Boundary exchange strategies: how sampled boundary rows and their gradients move each epoch."""

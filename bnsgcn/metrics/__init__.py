@@ -1,0 +1,1 @@
+"""What a run reports: clocks, per-epoch accounting, memory, logs, progress, the report."""

@@ -1,0 +1,205 @@
+"""The adjacency a model aggregates over: static per shard, sampled per epoch.
+
+The normalisation is by *full-graph* degrees, so that with sampled boundary columns
+scaled by ``1/p`` the aggregation is an unbiased estimate of the full-graph one. It is
+stored as per-node scale vectors of an unweighted pattern (``A = diag(r) P diag(c)``, see
+:class:`~bnsgcn.kernels.Adjacency`), O(n) instead of a value per edge forward and
+transposed, and the ``1/p`` of sampled columns is one more column scale:
+
+* ``mean`` (GraphSAGE): ``A[v, u] = 1 / deg(v)``: ``r = 1/deg``, no ``c``
+* ``symmetric`` (GCN):  ``A[v, u] = 1 / sqrt(deg(u) deg(v))``: ``r = c = deg^{-1/2}``
+* ``None`` (GAT): pattern only; attention supplies the weights, sampled boundary
+  columns get weight ``1/p`` inside the softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from bnsgcn.data.shard import Topology
+from bnsgcn.exchange.stale import StaleExchange
+from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan, InFlightRows
+from bnsgcn.kernels import Adjacency, spmm, spmm_add_
+
+NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
+
+
+def degree_scales(topology: Topology, normalization: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Row scale [n_inner] and column scale [n_inner + n_boundary] (None: all ones) of the
+    normalised adjacency ``diag(r) P diag(c)``."""
+    degree = topology.degree
+    if normalization is None:
+        return None, None
+    if normalization == "mean":
+        return 1.0 / degree[: topology.n_inner], None
+    if normalization == "symmetric":
+        scale = torch.rsqrt(degree)
+        return scale[: topology.n_inner], scale
+    raise ValueError(f"unknown normalization {normalization!r}")
+
+
+def _split_columns(topology: Topology) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """CSR of the inner columns and of the boundary columns (shifted to start at 0)."""
+    n = topology.n_inner
+    rows = torch.repeat_interleave(torch.arange(n), topology.indptr.diff())
+    is_inner = topology.indices < n
+
+    def csr(mask: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indptr = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(rows[mask], minlength=n), 0, out=indptr[1:])
+        return indptr, topology.indices[mask] - shift
+
+    return csr(is_inner, 0), csr(~is_inner, n)
+
+
+@dataclass
+class EpochGraph:
+    """What one forward pass aggregates over.
+
+    ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (columns already
+    scaled by ``1/p``) are kept apart so the inner product runs while boundary rows are
+    in flight. GAT's softmax couples the two, so it uses ``full``
+    [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled] instead
+    (and has no ``inner`` and ``boundary``; the other models no ``full``).
+    """
+
+    inner: Adjacency | None
+    boundary: Adjacency | None
+    full: Adjacency | None
+    column_weight: torch.Tensor | None
+    plan: ExchangePlan
+    exchange: BoundaryExchange | StaleExchange
+    traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
+    # Recomputation in backward (bnsgcn.nn.model): the rows each slot of ``keep_slots``
+    # received, kept (detached) in ``kept_rows``, and handed out again instead of exchanged
+    # while ``replaying``: a recomputed layer must not move rows a second time.
+    kept_rows: dict[int, torch.Tensor] | None = None
+    keep_slots: frozenset[int] = field(default=frozenset(), init=False)
+    replaying: bool = field(default=False, init=False)
+    # Slots whose rows are the output of a ReLU (and dropout): the gradient of an exactly
+    # zero entry is discarded there, so the exchange may send the nonzero entries alone
+    # (set by bnsgcn.nn.model for a training pass; see BoundaryExchange.start).
+    nonzero_only_slots: frozenset[int] = field(default=frozenset(), init=False)
+
+    def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows | _KeptRows:
+        """Start fetching the rows of the sampled boundary nodes for layer ``slot`` from
+        their owners; ``.wait()`` returns them [num_received, *row]. While :meth:`replay`
+        is active, the rows this slot received in the forward pass, without any exchange."""
+        if self.replaying:
+            if self.kept_rows is None or slot not in self.kept_rows:
+                raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
+            return _KeptRows(self.kept_rows, slot, None)
+        flight = self.exchange.start(x_inner, self.plan, slot, self.traffic, zeros_need_no_gradient=slot in self.nonzero_only_slots)
+        return self._kept(slot, flight)
+
+    def _kept(self, slot: int, flight: InFlightRows) -> InFlightRows | _KeptRows:
+        """``flight``, its rows kept for a recomputation where ``slot`` needs them."""
+        return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
+
+    def start_aggregation(self, x_inner: torch.Tensor, slot: int, into: torch.Tensor | None = None) -> tuple[InFlightRows | _KeptRows, torch.Tensor]:
+        """:meth:`start_boundary_rows`, and while the rows travel the inner columns' product
+        ``A_inner x_inner`` [n_inner, d] (with ``into``, summed into it in place). Returns
+        both. A :class:`BoundaryExchange` computes the product in its own autograd node,
+        whose backward adds the rows' returned gradients into the product's gradient
+        (:meth:`BoundaryExchange.start_aggregating`); other exchanges, and a recomputation,
+        run it apart."""
+        if self.replaying or not isinstance(self.exchange, BoundaryExchange):
+            rows = self.start_boundary_rows(x_inner, slot)
+            return rows, spmm(self.inner, x_inner) if into is None else spmm_add_(into, self.inner, x_inner)
+        flight, product = self.exchange.start_aggregating(x_inner, self.plan, slot, self.inner, into, self.traffic, slot in self.nonzero_only_slots)
+        return self._kept(slot, flight), product
+
+    def keep_rows(self, slots: frozenset[int]) -> None:
+        """Keep the received rows of layer ``slots`` from now on, for :meth:`replay` (only
+        those: a kept tensor that is not a view of an exchange buffer, e.g. decoded int8
+        rows, stays alive until backward)."""
+        self.keep_slots = frozenset(slots)
+        self.kept_rows = {}
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """While active, :meth:`start_boundary_rows` hands out the kept rows (the recomputation
+        of a checkpointed layer during backward)."""
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+    def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
+        """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners."""
+        return self.start_boundary_rows(x_inner, slot).wait()
+
+
+class _KeptRows:
+    """A slot's boundary rows: waited for and kept (``flight`` given), or the kept ones."""
+
+    def __init__(self, kept: dict[int, torch.Tensor], slot: int, flight: InFlightRows | None) -> None:
+        self.kept, self.slot, self.flight = kept, slot, flight
+
+    def wait(self) -> torch.Tensor:
+        if self.flight is None:
+            return self.kept[self.slot]
+        rows = self.flight.wait()
+        # detached: the recomputation only rebuilds the tensors backward needs; gradients
+        # reach the owners through the original pass's exchange
+        self.kept[self.slot] = rows.detach()
+        return rows
+
+
+class ShardGraph:
+    """The static, normalised adjacency of a shard for one model, built once at load."""
+
+    def __init__(self, topology: Topology, model: str, device: torch.device):
+        self.topology = topology
+        self.device = device
+        row_scale, col_scale = degree_scales(topology, NORMALIZATION[model])
+        n, nb = topology.n_inner, topology.n_boundary
+        self.inner = self.boundary = self.full = None
+        if model == "gat":
+            full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb)
+            # entries per boundary column, on the host: a sample's sizes without reading the device
+            self._column_nnz = full.t_indptr.diff()[n:]
+            self.full = full.to(device)
+        else:
+            (inner_ptr, inner_idx), (bnd_ptr, bnd_idx) = _split_columns(topology)
+            inner_cols, boundary_cols = (None, None) if col_scale is None else (col_scale[:n], col_scale[n:])
+            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, row_scale=row_scale, col_scale=inner_cols).to(device)
+            boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, row_scale=row_scale, col_scale=boundary_cols)
+            self._column_nnz = boundary.t_indptr.diff()
+            self.boundary = boundary.to(device)
+        self._inner_nnz = self.full.nnz - int(self._column_nnz.sum()) if self.full is not None else 0
+
+    def aggregate(self, x_inner: torch.Tensor, x_boundary: torch.Tensor) -> torch.Tensor:
+        """The full-graph aggregation ``A [x_inner; x_boundary]`` [n_inner, d] (every
+        boundary column; the precomputed first layer)."""
+        return spmm_add_(spmm(self.inner, x_inner), self.boundary, x_boundary)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor of the static adjacency (for memory accounting)."""
+        return [t for adj in (self.inner, self.boundary, self.full) if adj is not None for t in adj.tensors()] + [self._column_nnz]
+
+    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange | StaleExchange, traffic: str = "features") -> EpochGraph:
+        """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
+        if p >= 1.0:  # every column: nothing to select or rescale
+            weight = torch.ones(self.full.n_cols, device=self.device) if self.full is not None else None
+            return EpochGraph(self.inner, self.boundary, self.full, weight, plan, exchange, traffic)
+        # sizes from the host copy of the sample (``keep`` is on the CPU): no device read
+        kept_columns, kept_nnz = int(keep.sum()), int(self._column_nnz[keep].sum())
+        keep = keep.to(self.device, non_blocking=True)  # a blocking copy would wait for the device
+        scale = 1.0 / p if p > 0 else 1.0
+        boundary = full = column_weight = None
+        if self.boundary is not None:
+            boundary = self.boundary.select_columns(keep, (kept_columns, kept_nnz))
+            if scale != 1.0:
+                boundary = boundary.scale_columns(scale)
+        if self.full is not None:
+            keep_full = torch.cat([torch.ones(self.topology.n_inner, dtype=torch.bool, device=self.device), keep])
+            full = self.full.select_columns(keep_full, (self.topology.n_inner + kept_columns, self._inner_nnz + kept_nnz))
+            column_weight = torch.ones(full.n_cols, device=self.device)
+            column_weight[self.topology.n_inner :] = scale
+        return EpochGraph(self.inner, boundary, full, column_weight, plan, exchange, traffic)

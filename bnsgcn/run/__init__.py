@@ -1,0 +1,1 @@
+"""A training run: the train loop, evaluation, checkpoints, stopping, provenance."""

@@ -1,0 +1,717 @@
+"""One rank of a training job, top to bottom.
+
+setup: join the job -> load this rank's shard -> build the normalised graphs ->
+precompute the first layer's aggregation -> build the model, optimizer, reducer.
+every epoch: sample boundary nodes -> exchange selections -> forward (boundary rows by
+all-to-all) -> loss over local training nodes / global count -> backward (gradients of
+boundary rows back to their owners; parameter gradients all-reduced in buckets) -> step
+-> evaluate every ``eval_every`` epochs -> one JSON line -> checkpoint.
+With ``--staleness 1`` the sample is drawn one epoch ahead and the boundary exchange runs
+one epoch behind (:mod:`bnsgcn.exchange.stale`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import bnsgcn
+from bnsgcn.comm.communicator import Comm, init_from_env
+from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
+from bnsgcn.comm.wire import WireFormat
+from bnsgcn.config import TrainConfig
+from bnsgcn.data.format import set_id
+from bnsgcn.data.sampler import derive_seed, sample_boundary
+from bnsgcn.data.shard import Shard, Topology, load_shard
+from bnsgcn.errors import (
+    JobStopped,
+    PeerLost,
+    UserError,
+    first_sentence,
+    is_peer_failure,
+    peer_lost_message,
+)
+from bnsgcn.exchange.bounded_lag import LagExchange, exchange_mode, make_stale_exchange
+from bnsgcn.exchange.stale import StaleExchange
+from bnsgcn.exchange.synchronous import (
+    BoundaryExchange,
+    ExchangePlan,
+    fetch_boundary,
+    resolve_nonzero_rows,
+)
+from bnsgcn.kernels import cross_entropy_rows
+from bnsgcn.kernels.backend import kernel_backend, seed_step
+from bnsgcn.kernels.buffers import BufferPool, pooled
+from bnsgcn.metrics import memory, report
+from bnsgcn.metrics.accounting import (
+    CATEGORIES,
+    COLUMNS,
+    INDEX,
+    EpochAccount,
+    resident_bytes,
+    static_figures,
+)
+from bnsgcn.metrics.log import MetricsWriter, setup_logging
+from bnsgcn.metrics.progress import Progress, step
+from bnsgcn.nn.graph import ShardGraph
+from bnsgcn.nn.model import GNN
+from bnsgcn.nn.optim import Adam
+from bnsgcn.run import checkpoint
+from bnsgcn.run.evaluate import Evaluation
+from bnsgcn.run.provenance import launch_info, run_name_suffix
+from bnsgcn.run.stopping import StopRequest, stop_on_signals
+from bnsgcn.sync.averaging import (
+    EpochTables,
+    LocalExchange,
+    ParameterSync,
+    checkpoints,
+    evaluates,
+    make_sync,
+)
+from bnsgcn.sync.pool_averaging import make_pool_sync
+from bnsgcn.sync.stragglers import InjectedDelay, check_flags, parse_delays, parse_sync
+from bnsgcn.sync.workpool import WorkPool
+
+SPLITS = ("train", "val", "test")
+# Compiling every CPU kernel took about a minute on 2 busy cores: longer than a collective's
+# --timeout may be, so ranks wait for it through the store, this long at most.
+KERNEL_COMPILE_TIMEOUT_S = 900.0
+
+
+@dataclass
+class GraphInputs:
+    """What a forward pass over one graph (training or evaluation) needs."""
+
+    topology: Topology
+    graph: ShardGraph
+    planner: DirectPlanner | NodeAwarePlanner
+    features: Tensor
+    x_agg: Tensor | None
+    labels: Tensor
+    train_mask: Tensor
+    train_index: Tensor  # int64: the rows of train_mask, found once (no mask indexing per epoch)
+
+
+def run(config: TrainConfig) -> dict:
+    """Run one rank of the job described by the environment (see :func:`bnsgcn.comm.communicator.init_from_env`)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    memory.return_freed_memory()  # before any data: freed temporaries leave the process
+    comm = init_from_env(config.device, config.timeout, pipelined=config.staleness > 0)
+    # After a failure the groups are left as they are: a peer may be dead or hung, and
+    # tearing down a group with a collective in flight can block or abort the process,
+    # which then hides the real error. The process ends right after anyway.
+    try:
+        with stop_on_signals(config.checkpoint_every > 0) as stop:
+            summary = _train(config, comm, stop)
+    except Exception as exc:
+        if is_peer_failure(exc):  # name the rank that caused it, if the store knows
+            if isinstance(exc, PeerLost):
+                raise
+            raise PeerLost(peer_lost_message(exc, comm.who_stopped())) from exc
+        if not isinstance(exc, JobStopped):  # this rank is the cause: tell the others
+            comm.report_failure(str(exc).strip().splitlines()[0] if isinstance(exc, UserError) else f"{type(exc).__name__}: {first_sentence(exc)}")
+        raise
+    comm.close()
+    return summary
+
+
+def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
+    """Rank 0 picks and creates the run directory; every rank learns it."""
+    error = None
+    run_dir = config.out
+    if comm.rank == 0:
+        if run_dir is None:
+            run_dir = Path("runs") / (datetime.now().strftime("%Y%m%d-%H%M%S") + run_name_suffix(launch_info()))
+            suffix = 1
+            while run_dir.exists():
+                run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
+                suffix += 1
+        if not config.resume and checkpoint.has_checkpoints(run_dir):
+            error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
+        folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
+        for folder in folders:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / ".write-test"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as exc:
+                error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
+                break
+    run_dir, error = comm.broadcast_object((run_dir, error))
+    if error:
+        raise UserError(error)
+    return Path(run_dir)
+
+
+def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topology, features: Tensor, labels: Tensor, train_mask: Tensor) -> GraphInputs:
+    graph = ShardGraph(topology, config.model, comm.device)
+    planner = make_planner(comm, topology, config.exchange)
+    x_agg = None
+    if config.use_precompute:
+        # The first layer's aggregation never changes: compute it once over the full graph.
+        boundary_x = fetch_boundary(comm, topology, features)
+        with torch.no_grad():
+            x_agg = graph.aggregate(features, boundary_x)
+    return GraphInputs(topology, graph, planner, features, x_agg, labels, train_mask, train_mask.nonzero().flatten())
+
+
+def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInputs:
+    """The subgraph induced by training nodes, with that subgraph's degrees."""
+    topo = shard.topology
+    # The topology stays on the CPU: fetch_boundary sends these on comm.device and hands
+    # the values back on the CPU.
+    train_cpu = shard.train_mask.cpu()
+    boundary_train = fetch_boundary(comm, topo, train_cpu.to(torch.uint8)).bool()
+    sub = topo.induced(train_cpu, boundary_train, train_cpu[topo.send_nodes])
+    sub.degree[sub.n_inner :] = fetch_boundary(comm, sub, sub.degree[: sub.n_inner].contiguous())
+    rows = shard.train_mask
+    ones = torch.ones(sub.n_inner, dtype=torch.bool, device=comm.device)
+    return _graph_inputs(config, comm, shard, sub, shard.features[rows], shard.labels[rows], ones)
+
+
+def _loss_sum(logits: Tensor, labels: Tensor, rows: Tensor, multilabel: bool) -> Tensor:
+    """The loss summed over the rows ``rows`` of ``logits`` (the training nodes)."""
+    if multilabel:
+        return F.binary_cross_entropy_with_logits(logits.index_select(0, rows), labels.index_select(0, rows), reduction="sum")
+    return cross_entropy_rows(logits, rows, labels.index_select(0, rows))
+
+
+def _score_counts(logits: Tensor, shard: Shard) -> Tensor:
+    """Per split (train, val, test): [correct, total, 0] or [tp, fp, fn] for multi-label,
+    float64 [3, 3] on the logits' device (masked sums: no mask indexing, no device sync)."""
+    rows = []
+    if shard.multilabel:
+        pred, true = logits > 0, shard.labels > 0.5
+        for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
+            m = mask.unsqueeze(1)
+            rows.append(torch.stack([(pred & true & m).sum(), (pred & ~true & m).sum(), (~pred & true & m).sum()]))
+    else:
+        hit = logits.argmax(1) == shard.labels
+        for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
+            rows.append(torch.stack([(hit & mask).sum(), mask.sum(), torch.zeros((), dtype=torch.int64, device=logits.device)]))
+    return torch.stack(rows).to(torch.float64)
+
+
+def _scores(counts: Tensor, multilabel: bool) -> dict[str, float]:
+    out = {}
+    for name, (a, b, c) in zip(SPLITS, counts.tolist()):
+        if multilabel:
+            out[f"{name}_score"] = 2 * a / max(2 * a + b + c, 1)
+        else:
+            out[f"{name}_score"] = a / max(b, 1)
+    return out
+
+
+@dataclass
+class Job:
+    """One rank's training job, as :func:`_setup` builds it."""
+
+    config: TrainConfig  # ``exchange`` resolved
+    resolved: TrainConfig  # every choice made (config.json)
+    comm: Comm
+    shard: Shard
+    eval_inputs: GraphInputs
+    train_inputs: GraphInputs
+    global_train: int  # training nodes of all ranks
+    run_dir: Path
+    log: logging.Logger
+    model: GNN
+    optimizer: Adam
+    sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.sync.averaging)
+    delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
+    exchange: BoundaryExchange  # synchronous: training with --staleness 0 (and the first epoch of --staleness 1)
+    evaluation: Evaluation  # the full-graph forward of evaluations, in slices (bnsgcn.run.evaluate)
+    stale: StaleExchange | None  # training with --staleness 1
+    pool: WorkPool | None  # --work-pool: the partitions training takes steps on (bnsgcn.sync.workpool)
+    signature: dict  # what a checkpoint must agree on
+    baseline_rss: int  # the process before any graph data
+    buffers: BufferPool | None  # a training step's kernel outputs, reused (CPU: bnsgcn.kernels.buffers)
+
+
+@dataclass
+class Best:
+    """The best validation score so far: its epoch, test score and model state."""
+
+    val_score: float = -1.0
+    epoch: int = -1
+    test_score: float | None = None
+    state: dict | None = None
+
+    def update(self, epoch: int, scores: dict[str, float], model: GNN) -> None:
+        if scores["val_score"] > self.val_score:
+            self.val_score, self.epoch, self.test_score = scores["val_score"], epoch, scores["test_score"]
+            self.state = copy.deepcopy(model.state_dict())
+
+
+def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> dict:
+    job = _setup(config, comm)
+    start_epoch, best = _resume(job)
+    metrics = _open_run_files(job, start_epoch)
+    samples = _Samples(job)
+    comm.stats.reset()  # setup traffic is not an epoch's
+    progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
+    tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
+    gathered = EpochTables(comm, job.sync.decoupled)
+    started = time.perf_counter()
+    last_loss = float("nan")
+    for epoch in range(start_epoch, config.epochs):
+        comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
+        account = EpochAccount(comm.device)
+        scores = None
+        # where every rank meets: every epoch, or with a decoupled --sync only before
+        # evaluations, checkpoints and the end, where parameters are averaged first
+        sync_point = job.sync.is_sync_point(epoch + 1, config.eval_every, config.checkpoint_every, config.epochs)
+        with account.timed("epoch"):  # device time on CUDA (bnsgcn.metrics.timing)
+            with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
+                if job.pool is not None:
+                    _pool_epoch(job, epoch, account)
+                else:
+                    _train_epoch(job, samples, epoch, account)
+            if sync_point and job.sync.decoupled:
+                with account.timed("sync"):
+                    job.sync.average_all()
+            if evaluates(config.eval_every, config.epochs, epoch + 1):
+                with account.timed("evaluation"):
+                    job.exchange.release()  # training's buffers are idle until the next epoch
+                    if job.buffers is not None:
+                        job.buffers.clear()
+                    scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
+                best.update(epoch + 1, scores, job.model)
+        account.values["elapsed"] = time.perf_counter() - started
+        account.take_comm(comm)
+        for done, table in gathered.collect(epoch + 1, account, sync_point):
+            tables.append(table)
+            last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
+            _write_epoch(job, metrics, done, last_loss, table, scores if done == epoch + 1 else None)
+        _checkpoint(job, epoch + 1, best)
+        progress.update()
+        if stop is not None and sync_point and (signum := stop.agreed(comm)):
+            _stop(job, epoch + 1, best, signum)
+    progress.close()
+    if isinstance(job.stale, LagExchange):
+        job.stale.close()  # end marks: nothing in flight when the groups close
+    elif job.stale is not None:
+        job.stale.drain()  # the transfers for the epoch after the last one
+    return _finish(job, metrics, best, tables, last_loss)
+
+
+def _compile_kernels(comm: Comm) -> None:
+    """Have one process per machine compile the CPU kernels that numba's cache lacks
+    (:mod:`bnsgcn.kernels.warmup`) before any rank calls one: a rank that compiles keeps the
+    compiler's memory to its end. The first rank of each machine says through the job's
+    store when its machine is ready; every rank waits for all of them."""
+    from bnsgcn.kernels import torch_backend
+
+    if kernel_backend(comm.device) is torch_backend:  # CUDA, or BNSGCN_KERNELS=torch: numba is not even imported
+        return
+    from bnsgcn.kernels import warmup
+
+    leaders = [members[0] for members in comm.nodes.members]
+    shared = comm.store is not None and comm.world_size > 1
+    if comm.rank in leaders:
+        outcome = "ready"
+        if warmup.needs_compiling():
+            outcome = _run_warmup(comm.rank)
+        if shared:
+            comm.store.set(f"kernels/{comm.node}", outcome)
+        if outcome != "ready":
+            raise UserError(outcome)
+    if not shared:
+        return
+    keys = [f"kernels/{node}" for node in range(len(leaders))]
+    try:
+        comm.store.wait(keys, timedelta(seconds=KERNEL_COMPILE_TIMEOUT_S))
+    except Exception:  # timed out (or the store is gone): name the machines' ranks not ready
+        silent = [f"rank {leaders[n]}" for n, key in enumerate(keys) if not comm.store.check([key])]
+        raise PeerLost(f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within {KERNEL_COMPILE_TIMEOUT_S:.0f} s") from None
+    for node, key in enumerate(keys):
+        if (outcome := comm.store.get(key).decode()) != "ready":
+            raise PeerLost(f"rank {comm.rank}: rank {leaders[node]} failed: {outcome}")
+
+
+def _run_warmup(rank: int) -> str:
+    """``python -m bnsgcn.kernels.warmup`` in a process of its own: "ready", or what went wrong."""
+    package_root = str(Path(bnsgcn.__file__).resolve().parents[1])  # where `bnsgcn` is importable from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "bnsgcn.kernels.warmup"]
+    again = "python -m bnsgcn.kernels.warmup"
+    with step(f"[rank {rank}] compiling the CPU kernels into numba's cache (once per machine and version)"):
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=KERNEL_COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"compiling the CPU kernels took longer than {KERNEL_COMPILE_TIMEOUT_S:.0f} s; run {again} to see where it stops"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"compiling the CPU kernels failed ({last}); run {again} to see the error, or set BNSGCN_KERNELS=torch"
+    return "ready"
+
+
+def _setup(config: TrainConfig, comm: Comm) -> Job:
+    """Load the shard, build both graphs, the model, optimizer, reducer and exchanges; then
+    (only for input that passed every check) the run directory and its log."""
+    if config.parts_dir is None:
+        raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
+    check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
+    _compile_kernels(comm)
+    baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
+    # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
+    config = replace(config, exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.nonzero_rows, comm))
+    pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
+    # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
+    shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)
+    topo = shard.topology
+    eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
+    train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
+    local_train = int(train_inputs.train_index.numel())
+    global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
+    if global_train == 0:
+        raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
+    run_dir = _resolve_run_dir(config, comm)
+    log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    log.info(
+        "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
+        comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, config.exchange,
+    )
+    torch.manual_seed(config.seed)  # identical initial parameters on every rank
+    model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
+    rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
+    optimizer = Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    exchange = BoundaryExchange(comm, rows_format, grads_format, nonzero_rows=config.nonzero_rows == "on")
+    return Job(
+        config=config,
+        resolved=config.resolved(run_dir, comm.device.type, torch.get_num_threads()),
+        comm=comm,
+        shard=shard,
+        eval_inputs=eval_inputs,
+        train_inputs=train_inputs,
+        global_train=global_train,
+        run_dir=run_dir,
+        log=log,
+        model=model,
+        optimizer=optimizer,
+        sync=(
+            make_pool_sync(parse_sync(config.sync), comm, model, optimizer, local_train, global_train, config.seed, log, pool.num_parts)
+            if pool
+            else make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, local_train, global_train, config.seed, log)
+        ),
+        delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
+        exchange=exchange,
+        evaluation=Evaluation(comm, config.eval_buffer_bytes),
+        # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.exchange.bounded_lag)
+        stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
+        pool=pool,
+        signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
+        baseline_rss=baseline_rss,
+        buffers=BufferPool() if comm.device.type == "cpu" else None,
+    )
+
+
+def _resume(job: Job) -> tuple[int, Best]:
+    """The first epoch to run and the best model so far: from the checkpoint with --resume."""
+    if not job.config.resume:
+        return 0, Best()
+    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale)
+    if state is None:
+        job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
+        return 0, Best()
+    job.model.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    if job.stale is not None:
+        job.stale.load_state_dict(stale_state)
+    job.log.info("resumed from epoch %d", state["epoch"])
+    return state["epoch"], Best(**state["best"])
+
+
+def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
+    """Rank 0 writes config.json and opens metrics.jsonl (keeping the epochs a resumed
+    checkpoint covers)."""
+    if job.comm.rank != 0:
+        return None
+    comm = job.comm
+    layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members], "launch": launch_info()}
+    (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
+    return MetricsWriter([job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []), keep_epochs=start_epoch)
+
+
+class _Samples:
+    """Each epoch's boundary sample (bool [n_boundary]) and plan. With staleness the next
+    epoch's is drawn one epoch ahead, for the stale exchange to send ahead for. All ranks
+    call together (a plan exchanges selections), except with ``--max-lag``, where the
+    exchange chooses (:meth:`bnsgcn.exchange.bounded_lag.LagExchange.draw`)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.ahead: tuple[Tensor, ExchangePlan] | None = None
+
+    def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        if isinstance(self.job.stale, LagExchange):  # --max-lag: no collective, versions per owner
+            return self.job.stale.draw(epoch)
+        keep, plan = self.ahead or self._draw(epoch)
+        if self.job.stale is not None:
+            self.ahead = self._draw(epoch + 1)
+            self.job.stale.prepare(self.ahead[1], self.ahead[0])
+        return keep, plan
+
+    def _draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        config, inputs = self.job.config, self.job.train_inputs
+        keep = sample_boundary(inputs.topology.boundary_counts, config.p, config.seed, self.job.comm.rank, epoch)
+        return keep, inputs.planner.sample(keep, config.p)
+
+
+def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount) -> None:
+    """sample -> this epoch's graph -> forward -> loss -> backward -> reduce -> step."""
+    config, inputs = job.config, job.train_inputs
+    if job.delay:  # a slow machine, emulated: its own phase, never compute
+        with account.timed("injected_delay"):
+            job.delay.sleep()
+    with account.timed("sampling"):
+        keep, plan = samples.draw(epoch)
+        # at p = 0 no row travels: no per-layer all-to-all (of empty rows) holds ranks together
+        g = inputs.graph.epoch(keep, config.p, plan, LocalExchange() if config.p == 0 else job.stale or job.exchange)
+    job.model.train()
+    seed_step(derive_seed(config.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
+    resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers(), *(job.stale.buffers() if job.stale else [])]  # noqa: E731 (held anyway)
+    with account.timed("forward"), account.saved_tensors(resident):
+        logits = job.model(inputs.features, g, inputs.x_agg)
+        account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
+        loss_sum = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
+    job.optimizer.zero_grad(set_to_none=False)
+    with account.timed("backward"):
+        (loss_sum / job.global_train).backward()
+    with account.timed("reduction"):
+        job.sync.finish()
+    if job.sync.decoupled:
+        with account.timed("sync"):
+            job.sync.before_step(epoch)
+    job.optimizer.step()
+    # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
+    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
+    if isinstance(job.stale, LagExchange):  # the epochs behind it used, and the waits that bounded them
+        account.values.update(job.stale.figures())
+
+
+def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
+    """--work-pool: take partitions from the epoch's pool, one step each, until it is empty
+    (:mod:`bnsgcn.sync.workpool`); lockstep modes (:mod:`bnsgcn.sync.pool_averaging`) step in rounds, where
+    a rank that found the pool empty contributes no gradient and the round is the last."""
+    pool, sync, model = job.pool, job.sync, job.model
+    sync.start_epoch()
+    loss_sum, steps = torch.zeros((), device=job.comm.device), 0
+    model.train()
+    while True:
+        with account.timed("sampling"):
+            taken = pool.take(epoch)
+        if taken is None and not sync.lockstep:
+            break
+        job.optimizer.zero_grad(set_to_none=False)
+        num_train = 0
+        if taken is not None:
+            if job.delay:  # a slow machine, emulated: slower at every piece of work
+                with account.timed("injected_delay"):
+                    job.delay.sleep()
+            building = time.perf_counter()
+            inputs = pool.inputs(taken[1])
+            sync.not_busy(time.perf_counter() - building)  # a partition's graph is built once
+            num_train = inputs.num_train
+            # dropout drawn per partition and epoch: a step does not depend on the rank taking it
+            seed_step(derive_seed(job.config.seed, taken[1], epoch, 1), job.comm.device)
+            with account.timed("forward"):
+                logits = model(inputs.features, inputs.graph, inputs.x_agg)
+                part_loss = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
+            with account.timed("backward"):
+                # lockstep: the summed loss (the round's mean is taken after the all-reduce)
+                (part_loss if sync.lockstep else part_loss / max(num_train, 1)).backward()
+            loss_sum = loss_sum + part_loss.detach()
+            steps += 1
+        with account.timed("reduction"):
+            step, more = sync.finish_round(num_train, taken is not None) if sync.lockstep else (num_train > 0, True)
+        if step:
+            job.optimizer.step()
+        with account.timed("sync"):
+            sync.after_pool_step(epoch)
+        if not more:
+            break
+    account.values.update(loss_sum=loss_sum, sampled_boundary=0, steps=steps)
+
+
+def _write_epoch(job: Job, metrics: MetricsWriter | None, epoch: int, loss: float, table: Tensor, scores: dict[str, float] | None) -> None:
+    """Rank 0: the epoch's JSON line, and a log line when it was evaluated."""
+    if metrics is None:
+        return
+    record = _epoch_record(epoch, loss, table)
+    metrics.write(record | (scores or {}))
+    if scores is not None:
+        job.log.info(
+            "epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)",
+            record["epoch"], record["loss"], scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"],
+        )
+
+
+def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
+    """Every rank, after ``epoch``, on a stop signal: checkpoint this epoch (unless the
+    schedule just did), then end the job (:mod:`bnsgcn.run.stopping`)."""
+    if not checkpoints(job.config.checkpoint_every, epoch):
+        _checkpoint(job, epoch, best, now=True)
+    name = signal.Signals(signum).name
+    raise JobStopped(
+        f"stopped by {name} after epoch {epoch}, checkpoint written to {checkpoint.checkpoint_dir(job.run_dir)}; "
+        "run the same command with --resume to continue (a requeued SLURM job resumes by itself)",
+        signum,
+    )
+
+
+def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
+    """Every --checkpoint-every epochs (or ``now``): each rank's stale part, then rank 0's checkpoint."""
+    config, comm = job.config, job.comm
+    if not config.checkpoint_every:
+        return
+    if not (now or checkpoints(config.checkpoint_every, epoch)):
+        return  # no barrier either: with a decoupled --sync, ranks meet only at sync points
+    if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
+        job.stale.drain()
+        checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
+        comm.barrier()
+    if comm.rank == 0:
+        state = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(), "best": dict(vars(best)), "signature": job.signature}
+        checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
+    comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
+
+
+def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float) -> dict:
+    """The report (``tables``: every rank's figures, one table per epoch run; the report
+    gives their steady-state medians), the best model and the summary line (rank 0); the
+    summary (every rank)."""
+    config, comm, shard = job.config, job.comm, job.shard
+    topo = shard.topology
+    train, evaluate = job.train_inputs, job.eval_inputs
+    holder_bytes = memory.holders(
+        partition=[shard.features, shard.labels, shard.train_mask, shard.val_mask, shard.test_mask, topo.indptr, topo.indices, topo.degree, topo.send_nodes],
+        precomputed=[evaluate.x_agg, train.x_agg, *(job.pool.precomputed_tensors() if job.pool else [])],
+        adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []) + (job.pool.adjacency_tensors() if job.pool else []),
+        exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
+        evaluation_buffer_bytes=job.evaluation.largest_bytes(),
+        activation_buffer_bytes=job.buffers.largest_bytes if job.buffers is not None else 0,
+        parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
+        optimizer_state=memory.optimizer_state_tensors(job.optimizer),
+    )
+    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss))
+    steps = torch.stack(tables)[:, :, INDEX["steps"]].sum(0).tolist() if tables else [0.0] * comm.world_size
+    figures = [f | {"steps_total": int(n)} for f, n in zip(figures, steps)]  # optimizer steps each rank took in this run
+    summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
+    if metrics is not None:
+        per_epoch, steady = report.steady_state(tables, COLUMNS) if tables else ([dict.fromkeys(COLUMNS, 0.0)] * comm.world_size, None)
+        info = {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": len(tables), "launch": launch_info(), "steady_state": steady}
+        report.write(job.run_dir, report.build(figures, per_epoch, info))
+        if best.state is not None:
+            torch.save(best.state, job.run_dir / "best_model.pt")
+        metrics.write(summary)
+        metrics.close()
+        job.log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best.val_score, best.epoch, best.test_score, job.run_dir)
+    return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
+
+
+def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: StaleExchange | LagExchange | None) -> tuple[dict | None, dict | None]:
+    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
+    staleness, its own part: written by :mod:`bnsgcn.exchange.bounded_lag` for a :class:`LagExchange`), or
+    every rank stops with the first rank's error."""
+    chosen = state = error = None
+    if comm.rank == 0:
+        try:
+            chosen, state = checkpoint.newest(run_dir, signature) or (None, None)
+        except UserError as exc:
+            error = str(exc)
+    chosen, error = comm.broadcast_object((chosen, error))
+    if error:
+        raise UserError(error)
+    if chosen is None:
+        return None, None
+    stale_state = None
+    try:
+        if state is None:  # rank 0 has it already
+            state = checkpoint.load(chosen, signature)
+        if stale is not None:
+            stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
+            p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
+            path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
+            if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
+                raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
+            if ("lag" in stale_state) != isinstance(stale, LagExchange):  # the two exchanges hold their rows differently
+                flags = ("--max-lag", "add --max-lag (any S)") if "lag" in stale_state else ("no --max-lag", "drop --max-lag")
+                raise UserError(f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out")
+    except UserError as exc:
+        error = f"rank {comm.rank}: {exc}"
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return state, stale_state
+
+
+def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
+    """The job-level JSON line of one epoch: times of the slowest rank, bytes of all ranks."""
+    columns = table.numpy()  # some 60 columns of a few ranks: numpy's indexing costs a tenth of torch's
+    col = lambda name: columns[:, INDEX[name]]  # noqa: E731
+    exchange = col("time_exchange_selections") + col("time_exchange_forward") + col("time_exchange_backward")
+    compute = col("time_forward") + col("time_backward") - col("time_exchange_forward") - col("time_exchange_backward")
+    return {
+        "epoch": epoch,
+        "loss": loss,
+        "sampled_boundary": int(col("sampled_boundary").sum()),
+        "time": {
+            "epoch": float(col("epoch_time").max()),
+            "sampling": float(col("time_sampling").max()),
+            "exchange": float(exchange.max()),
+            "compute": float(compute.max()),
+            "reduction": float(col("time_reduction").max()),
+            "evaluation": float(col("time_evaluation").max()),
+            "idle": float(col("time_idle").max()),
+            "injected_delay": float(col("time_injected_delay").max()),
+            "sync": float(col("time_sync").max()),
+            # wall seconds since the run's first epoch began, when the last rank ended this
+            # one: with a decoupled --sync the sum of "epoch" (the slowest rank's, per epoch)
+            # overstates the run's time, as ranks are slowest at different epochs
+            "elapsed": float(col("elapsed").max()),
+        },
+        # per rank (index = rank): where ranks differ when some are slower (--inject-delay, --sync)
+        "per_rank": {
+            "steps": [int(v) for v in col("steps").tolist()],
+            "injected_delay": col("time_injected_delay").tolist(),
+            "sync": col("time_sync").tolist(),
+            "idle": col("time_idle").tolist(),
+            # --max-lag: the most epochs behind of any rows or gradients a rank used, and its
+            # seconds waiting because they would have been older than allowed
+            "lag": [int(v) for v in col("lag").tolist()],
+            "lag_wait": col("time_lag_wait").tolist(),
+        },
+        "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
+        "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),
+        "bytes_sent_by_kind": {c: int(col(f"sent_{c}").sum()) for c in CATEGORIES},
+        # all-to-all bytes by where the receiving rank runs (all-reduce bytes not included)
+        "bytes_intra_node": int(sum(col(f"intra_node_{c}").sum() for c in CATEGORIES)),
+        "bytes_inter_node": int(sum(col(f"inter_node_{c}").sum() for c in CATEGORIES)),
+        "bytes_inter_node_by_kind": {c: int(col(f"inter_node_{c}").sum()) for c in CATEGORIES},
+    }
+
+
+@torch.no_grad()
+def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, evaluation: Evaluation) -> dict[str, float]:
+    """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
+    model.eval()
+    logits = evaluation.logits(model, inputs.graph, inputs.planner.full(), inputs.features, inputs.x_agg)
+    counts = comm.all_reduce(_score_counts(logits, shard)).cpu()  # the scores: one read
+    return _scores(counts, shard.multilabel)

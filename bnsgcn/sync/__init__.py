@@ -1,0 +1,1 @@
+"""Keeping parameters together: gradient all-reduce, decoupled averaging, the work pool, injected delays."""
