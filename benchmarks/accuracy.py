@@ -55,7 +55,9 @@ def time_to_accuracy(curve: list[Point], target: float) -> dict | None:
     return None
 
 
-def attach_time_to_accuracy(runs: list[dict], config: Callable[[dict], Hashable], fraction: float = TARGET_FRACTION) -> None:
+def attach_time_to_accuracy(
+    runs: list[dict], config: Callable[[dict], Hashable], fraction: float = TARGET_FRACTION
+) -> None:
     """Set ``time_to_accuracy`` on every run that holds a ``val_curve``.
 
     The target is ``fraction`` times the best validation score of the p = 1 run with the
@@ -72,4 +74,8 @@ def attach_time_to_accuracy(runs: list[dict], config: Callable[[dict], Hashable]
             run["time_to_accuracy"] = None
         else:
             target = fraction * best[key]
-            run["time_to_accuracy"] = time_to_accuracy(run["val_curve"], target) or {"target": target, "epochs": None, "seconds": None}
+            run["time_to_accuracy"] = time_to_accuracy(run["val_curve"], target) or {
+                "target": target,
+                "epochs": None,
+                "seconds": None,
+            }

@@ -103,7 +103,9 @@ ENGINE_KINDS = ("features", "gradients", "selections", "evaluation", "control")
 # g, t are powers of 1000, ki, mi, gi, ti of 1024.
 RATE_UNITS = {"": 1, "bit": 1, "bps": 8} | {
     f"{prefix}{binary}{unit}": (1024 if binary else 1000) ** power * bits
-    for power, prefix in enumerate("kmgt", 1) for binary in ("", "i") for unit, bits in (("bit", 1), ("bps", 8))
+    for power, prefix in enumerate("kmgt", 1)
+    for binary in ("", "i")
+    for unit, bits in (("bit", 1), ("bps", 8))
 }
 
 
@@ -129,7 +131,9 @@ def parse_rate(text: str) -> int | None:
         return None
     match = re.fullmatch(r"(\d+(?:\.\d*)?)([a-z]*)", text.lower())
     if not match or match[2] not in RATE_UNITS or float(match[1]) <= 0:
-        raise UserError(f"--link {text!r} is not a rate; pass one as tc writes it (e.g. 1gbit, 10gbit, 100mbit) or none")
+        raise UserError(
+            f"--link {text!r} is not a rate; pass one as tc writes it (e.g. 1gbit, 10gbit, 100mbit) or none"
+        )
     return round(float(match[1]) * RATE_UNITS[match[2]])
 
 
@@ -144,7 +148,9 @@ def check_requirements() -> None:
         raise UserError("the emulated cluster needs root (network namespaces); run as root or with sudo")
     missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
     if missing:
-        raise UserError(f"the emulated cluster needs {', '.join(missing)} on PATH; install iproute2 (ip, tc) and util-linux (unshare)")
+        raise UserError(
+            f"the emulated cluster needs {', '.join(missing)} on PATH; install iproute2 (ip, tc) and util-linux (unshare)"
+        )
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,11 @@ class Cluster:
 def build_commands(cluster: Cluster) -> list[list[str]]:
     """The ``ip`` commands that make the namespaces, the bridge and the veth pairs."""
     sw = cluster.switch
-    commands = [["ip", "netns", "add", sw], ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], ["ip", "-n", sw, "link", "set", "br0", "up"]]
+    commands = [
+        ["ip", "netns", "add", sw],
+        ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", sw, "link", "set", "br0", "up"],
+    ]
     for i in range(cluster.nodes):
         ns, port = cluster.node(i), f"n{i}"
         commands += [
@@ -208,7 +218,9 @@ def sh(command: list[str], check: bool = True) -> str:
     done = subprocess.run(command, capture_output=True, text=True)
     if check and done.returncode != 0:
         message = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise UserError(f"`{shlex.join(command)}` failed: {message}; the emulated cluster needs network namespaces, veth, bridge and tbf support")
+        raise UserError(
+            f"`{shlex.join(command)}` failed: {message}; the emulated cluster needs network namespaces, veth, bridge and tbf support"
+        )
     return done.stdout
 
 
@@ -236,7 +248,9 @@ def kill_processes(ns: str) -> None:
             except ProcessLookupError:
                 pass
         if time.monotonic() > deadline:
-            raise UserError(f"processes {pids} in namespace {ns} survive SIGKILL; remove it later with `ip netns del {ns}`")
+            raise UserError(
+                f"processes {pids} in namespace {ns} survive SIGKILL; remove it later with `ip netns del {ns}`"
+            )
         time.sleep(0.05)
 
 
@@ -304,8 +318,21 @@ def in_node(cluster: Cluster, i: int, command: list[str]) -> list[str]:
     """``command`` as run on node ``i``: in its network namespace, gloo bound to ``eth0``
     (otherwise it takes the address of the host name, 127.0.0.1 here, and ranks on other
     nodes dial their own loopback), under a host name of its own."""
-    return ["ip", "netns", "exec", cluster.node(i), "env", "GLOO_SOCKET_IFNAME=eth0",
-            "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"node{i}", *command]
+    return [
+        "ip",
+        "netns",
+        "exec",
+        cluster.node(i),
+        "env",
+        "GLOO_SOCKET_IFNAME=eth0",
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        'hostname "$0" && exec "$@"',
+        f"node{i}",
+        *command,
+    ]
 
 
 def link_counters(cluster: Cluster) -> list[tuple[int, int]]:
@@ -345,16 +372,26 @@ else:
 def measure_link(cluster: Cluster, mib: int = PROBE_MIB, timeout_s: float = 120.0) -> float:
     """Gbit/s of one TCP transfer of ``mib`` MiB from node 0 to node 1."""
     host, port = cluster.address(1), str(PROBE_PORT)
-    server = subprocess.Popen(["ip", "netns", "exec", cluster.node(1), sys.executable, "-c", PROBE, "server", host, port], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.node(1), sys.executable, "-c", PROBE, "server", host, port],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         if server.stdout.readline().strip() != "ready":
             raise UserError(f"the link probe's server did not start in namespace {cluster.node(1)}")
-        client = subprocess.run(["ip", "netns", "exec", cluster.node(0), sys.executable, "-c", PROBE, "client", host, port, str(mib)],
-                                capture_output=True, text=True, timeout=timeout_s)
+        client = subprocess.run(
+            ["ip", "netns", "exec", cluster.node(0), sys.executable, "-c", PROBE, "client", host, port, str(mib)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if client.returncode != 0:
             raise UserError(f"the link probe failed: {(client.stderr.strip().splitlines() or ['no message'])[-1]}")
     except subprocess.TimeoutExpired:
-        raise UserError(f"the link probe moved less than {mib} MiB in {timeout_s:g} s; is the --link rate that low?") from None
+        raise UserError(
+            f"the link probe moved less than {mib} MiB in {timeout_s:g} s; is the --link rate that low?"
+        ) from None
     finally:
         server.kill()
         server.wait()
@@ -399,8 +436,24 @@ def plan(args: argparse.Namespace, extra: tuple[str, ...]) -> list[Run]:
     cores = os.cpu_count() or 1
     threads = args.threads or threads_per_rank(args.nodes * args.ranks_per_node, cores)
     return [
-        Run(args.graph, args.data_dir, method, args.nodes, args.ranks_per_node, link, p, exchange, args.model, args.epochs, threads, extra)
-        for link in args.link for method in args.method for p in args.p for exchange in args.exchange
+        Run(
+            args.graph,
+            args.data_dir,
+            method,
+            args.nodes,
+            args.ranks_per_node,
+            link,
+            p,
+            exchange,
+            args.model,
+            args.epochs,
+            threads,
+            extra,
+        )
+        for link in args.link
+        for method in args.method
+        for p in args.p
+        for exchange in args.exchange
     ]
 
 
@@ -417,16 +470,51 @@ def parts_dir(work: Path, run: Run) -> Path:
 def partition_command(work: Path, run: Run) -> list[str]:
     """bnsgcn-partition of the run's set; it reuses an identical set already at --out."""
     data_dir = ["--data-dir", run.data_dir] if run.data_dir else []
-    return ["bnsgcn-partition", run.graph, "--parts", str(run.nodes * run.ranks_per_node), "--method", run.method, *data_dir, "--out", str(parts_dir(work, run))]
+    return [
+        "bnsgcn-partition",
+        run.graph,
+        "--parts",
+        str(run.nodes * run.ranks_per_node),
+        "--method",
+        run.method,
+        *data_dir,
+        "--out",
+        str(parts_dir(work, run)),
+    ]
 
 
 def node_command(work: Path, run: Run, cluster: Cluster, i: int) -> list[str]:
     """bnsgcn-train as node ``i`` runs it (before :func:`in_node`)."""
     return [
-        "bnsgcn-train", "--parts-dir", str(parts_dir(work, run)), "--procs", str(run.ranks_per_node),
-        "--nnodes", str(run.nodes), "--node-rank", str(i), "--master-addr", cluster.address(0), "--master-port", str(MASTER_PORT),
-        "--out", str(work / "runs" / run.name), "--threads", str(run.threads), "--p", f"{run.p:g}", "--exchange", run.exchange,
-        "--epochs", str(run.epochs), "--eval-every", "1", "--model", run.model, *size_flags(run.model), *run.flags,
+        "bnsgcn-train",
+        "--parts-dir",
+        str(parts_dir(work, run)),
+        "--procs",
+        str(run.ranks_per_node),
+        "--nnodes",
+        str(run.nodes),
+        "--node-rank",
+        str(i),
+        "--master-addr",
+        cluster.address(0),
+        "--master-port",
+        str(MASTER_PORT),
+        "--out",
+        str(work / "runs" / run.name),
+        "--threads",
+        str(run.threads),
+        "--p",
+        f"{run.p:g}",
+        "--exchange",
+        run.exchange,
+        "--epochs",
+        str(run.epochs),
+        "--eval-every",
+        "1",
+        "--model",
+        run.model,
+        *size_flags(run.model),
+        *run.flags,
     ]
 
 
@@ -460,8 +548,15 @@ def run_nodes(work: Path, run: Run, cluster: Cluster, timeout_s: float) -> str |
             with open(logs / f"node{i}.log", "w") as log:
                 # A session of its own: stop() signals the node's whole process group, and a
                 # Ctrl-C at the terminal reaches only this process, which then cleans up.
-                procs.append(subprocess.Popen(in_node(cluster, i, executable(node_command(work, run, cluster, i))),
-                                              cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        in_node(cluster, i, executable(node_command(work, run, cluster, i))),
+                        cwd=REPO,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for i, proc in enumerate(procs):
@@ -514,20 +609,35 @@ def read_run(run_dir: Path, run: Run, link_bytes: list[tuple[int, int]]) -> dict
             "sent_by_kind": mean_by_kind(epochs, "bytes_sent_by_kind"),
             "link": link_total / len(epochs),
         },
-        "link_bytes": {"tx_per_node": [tx for tx, _ in link_bytes], "rx_per_node": [rx for _, rx in link_bytes], "total": link_total},
+        "link_bytes": {
+            "tx_per_node": [tx for tx, _ in link_bytes],
+            "rx_per_node": [rx for _, rx in link_bytes],
+            "total": link_total,
+        },
         **{k: base[k] for k in ("best_val_score", "test_score", "val_curve", "peak_rss_bytes", "boundary_inner_ratio")},
     }
 
 
 def same_configuration(record: dict) -> tuple:
     """Everything but p: the runs whose p = 1 run sets the accuracy target."""
-    return (record["graph"], record["data_dir"], record["method"], record["nodes"], record["ranks_per_node"], record["model"],
-            record["epochs"], tuple(record["flags"]), record["link"]["requested"], record["exchange"]["requested"])
+    return (
+        record["graph"],
+        record["data_dir"],
+        record["method"],
+        record["nodes"],
+        record["ranks_per_node"],
+        record["model"],
+        record["epochs"],
+        tuple(record["flags"]),
+        record["link"]["requested"],
+        record["exchange"]["requested"],
+    )
 
 
 def attach_replication(records: list[dict]) -> None:
     """``replication_factor``: inter-node feature bytes of direct over hierarchical exchange,
     on both runs of every pair that differs only in the (resolved) exchange."""
+
     def features(r: dict) -> float | None:
         return (r["bytes_per_epoch"]["inter_node_by_kind"] or {}).get("features")
 
@@ -569,7 +679,11 @@ def predicted_inter_node_rows(parts: Path, nodes: int, ranks_per_node: int, p: f
                     direct += rows.size
                     sampled.setdefault((q, r // ranks_per_node), []).append(rows)
         hierarchical += sum(np.unique(np.concatenate(rows)).size for rows in sampled.values())
-    return {"direct_rows": direct / epochs, "hierarchical_rows": hierarchical / epochs, "factor": direct / hierarchical if hierarchical else None}
+    return {
+        "direct_rows": direct / epochs,
+        "hierarchical_rows": hierarchical / epochs,
+        "factor": direct / hierarchical if hierarchical else None,
+    }
 
 
 def targets(records: list[dict]) -> list[dict]:
@@ -587,10 +701,15 @@ def targets(records: list[dict]) -> list[dict]:
         training = lambda r: sum(r["bytes_per_epoch"]["inter_node_by_kind"][k] for k in ("features", "gradients"))  # noqa: E731
         factor = hier["replication_predicted"]["factor"]
         bound = training(direct) / factor * 1.02 if factor else None
-        row = {"method": hier["method"], "link": hier["link"]["requested"], "p": hier["p"], "replication": factor,
-               "inter_node_training_bytes": {"direct": training(direct), "hierarchical": training(hier), "bound": bound},
-               "bytes_met": bound is not None and training(hier) <= bound,
-               "epoch_ratio": hier["epoch_time_s"] / direct["epoch_time_s"]}
+        row = {
+            "method": hier["method"],
+            "link": hier["link"]["requested"],
+            "p": hier["p"],
+            "replication": factor,
+            "inter_node_training_bytes": {"direct": training(direct), "hierarchical": training(hier), "bound": bound},
+            "bytes_met": bound is not None and training(hier) <= bound,
+            "epoch_ratio": hier["epoch_time_s"] / direct["epoch_time_s"],
+        }
         if hier["link"]["requested"] == "1gbit" and hier["p"] == 1:
             row["epoch_met"] = row["epoch_ratio"] <= 0.75
         out.append(row)
@@ -628,11 +747,25 @@ def benchmark(runs: list[Run], work: Path, out: Path, command: str, timeout_s: f
             if run.link not in measured:
                 set_link(cluster, rate)
                 measured[run.link] = measure_link(cluster)
-                print(f"link {run.link}: measured {measured[run.link]:.3f} Gbit/s from node 0 to node 1", file=sys.stderr, flush=True)
+                print(
+                    f"link {run.link}: measured {measured[run.link]:.3f} Gbit/s from node 0 to node 1",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print(f"[{i}/{len(runs)}] {run.name}", file=sys.stderr, flush=True)
-            link = {"requested": run.link, "rate_bit_s": rate, "burst_bytes": None if rate is None else burst_bytes(rate), "measured_gbit_s": measured[run.link]}
+            link = {
+                "requested": run.link,
+                "rate_bit_s": rate,
+                "burst_bytes": None if rate is None else burst_bytes(rate),
+                "measured_gbit_s": measured[run.link],
+            }
             exchange = {"requested": run.exchange, "resolved": None}  # resolved: read from the run
-            record = asdict(run) | {"name": run.name, "date": date.today().isoformat(), "link": link, "exchange": exchange}
+            record = asdict(run) | {
+                "name": run.name,
+                "date": date.today().isoformat(),
+                "link": link,
+                "exchange": exchange,
+            }
             shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
             before = link_counters(cluster)
             start = time.perf_counter()
@@ -641,7 +774,9 @@ def benchmark(runs: list[Run], work: Path, out: Path, command: str, timeout_s: f
             if error is None:
                 delta = [(tx - tx0, rx - rx0) for (tx, rx), (tx0, rx0) in zip(link_counters(cluster), before)]
                 record |= read_run(work / "runs" / run.name, run, delta)
-                record["replication_predicted"] = predicted_inter_node_rows(parts_dir(work, run), run.nodes, run.ranks_per_node, run.p, run_seed(run), run.epochs)
+                record["replication_predicted"] = predicted_inter_node_rows(
+                    parts_dir(work, run), run.nodes, run.ranks_per_node, run.p, run_seed(run), run.epochs
+                )
             else:
                 record["error"] = error
                 print(f"  failed: {error}", file=sys.stderr)
@@ -671,22 +806,59 @@ def _mode(record: dict) -> str:
 
 
 def time_table(records: list[dict]) -> str:
-    head = ["link (measured Gbit/s)", "p", "exchange", "epoch (s)", *(f"{k} (s)" for k in TIME_KEYS[:-1]),
-            "to 99% of p = 1's best val: epochs / s", "best val", "test"]
-    rows = [[f"{r['link']['requested']} ({r['link']['measured_gbit_s']:.2f})", f"{r['p']:g}", _mode(r), f"{r['epoch_time_s']:.3f}",
-             *(f"{r['time_s'][k]:.3f}" for k in TIME_KEYS[:-1]), time_to_accuracy_cell(r), f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}"]
-            for r in records]
+    head = [
+        "link (measured Gbit/s)",
+        "p",
+        "exchange",
+        "epoch (s)",
+        *(f"{k} (s)" for k in TIME_KEYS[:-1]),
+        "to 99% of p = 1's best val: epochs / s",
+        "best val",
+        "test",
+    ]
+    rows = [
+        [
+            f"{r['link']['requested']} ({r['link']['measured_gbit_s']:.2f})",
+            f"{r['p']:g}",
+            _mode(r),
+            f"{r['epoch_time_s']:.3f}",
+            *(f"{r['time_s'][k]:.3f}" for k in TIME_KEYS[:-1]),
+            time_to_accuracy_cell(r),
+            f"{r['best_val_score']:.4f}",
+            f"{r['test_score']:.4f}",
+        ]
+        for r in records
+    ]
     return _table(head, rows)
 
 
 def bytes_table(records: list[dict]) -> str:
-    head = ["link", "p", "exchange", "inter-node (engine)", *ENGINE_KINDS, "intra-node (engine)", "link bytes (measured)", "replication"]
+    head = [
+        "link",
+        "p",
+        "exchange",
+        "inter-node (engine)",
+        *ENGINE_KINDS,
+        "intra-node (engine)",
+        "link bytes (measured)",
+        "replication",
+    ]
     rows = []
     for r in records:
         b, factor = r["bytes_per_epoch"], r.get("replication_factor")
         kinds = b["inter_node_by_kind"] or {}
-        rows.append([r["link"]["requested"], f"{r['p']:g}", _mode(r), _mib(b["inter_node"]), *(_mib(kinds.get(k)) for k in ENGINE_KINDS),
-                     _mib(b["intra_node"]), _mib(b["link"]), "-" if factor is None else f"{factor:.2f}"])
+        rows.append(
+            [
+                r["link"]["requested"],
+                f"{r['p']:g}",
+                _mode(r),
+                _mib(b["inter_node"]),
+                *(_mib(kinds.get(k)) for k in ENGINE_KINDS),
+                _mib(b["intra_node"]),
+                _mib(b["link"]),
+                "-" if factor is None else f"{factor:.2f}",
+            ]
+        )
     return _table(head, rows)
 
 
@@ -700,23 +872,52 @@ def render(document: dict) -> str:
         out += [f"`{graph}`, {method} partitions, {nodes} nodes x {rpn} ranks, {model}:", ""]
         ok = [r for r in records if "error" not in r]
         if ok:
-            out += ["Epoch time (slowest rank, median after the first epoch, evaluation excluded):", "", time_table(ok), "",
-                    "MiB per epoch (engine: all-to-all bytes of all ranks; link: every byte through the nodes' eth0, run total / epochs):", "",
-                    bytes_table(ok), ""]
+            out += [
+                "Epoch time (slowest rank, median after the first epoch, evaluation excluded):",
+                "",
+                time_table(ok),
+                "",
+                "MiB per epoch (engine: all-to-all bytes of all ranks; link: every byte through the nodes' eth0, run total / epochs):",
+                "",
+                bytes_table(ok),
+                "",
+            ]
         out += [f"Failed: {r['name']}: {r['error']}" for r in records if "error" in r] + [""]
     if document.get("targets"):
-        out += ["Targets (hierarchical against direct; replication predicted from the partition files and the sampler):", "", target_table(document["targets"])]
+        out += [
+            "Targets (hierarchical against direct; replication predicted from the partition files and the sampler):",
+            "",
+            target_table(document["targets"]),
+        ]
     return "\n".join(out).rstrip()
 
 
 def target_table(rows: list[dict]) -> str:
-    head = ["method", "link", "p", "replication", "inter-node MiB/epoch, features + gradients: direct / hierarchical / bound", "met",
-            "epoch: hierarchical / direct", "<= 0.75 (1gbit, p = 1)"]
+    head = [
+        "method",
+        "link",
+        "p",
+        "replication",
+        "inter-node MiB/epoch, features + gradients: direct / hierarchical / bound",
+        "met",
+        "epoch: hierarchical / direct",
+        "<= 0.75 (1gbit, p = 1)",
+    ]
     body = []
     for t in rows:
         b = t["inter_node_training_bytes"]
-        body.append([t["method"], t["link"], f"{t['p']:g}", f"{t['replication']:.3f}", f"{_mib(b['direct'])} / {_mib(b['hierarchical'])} / {_mib(b['bound'])}",
-                     "met" if t["bytes_met"] else "missed", f"{t['epoch_ratio']:.3f}", {True: "met", False: "missed"}.get(t.get("epoch_met"), "-")])
+        body.append(
+            [
+                t["method"],
+                t["link"],
+                f"{t['p']:g}",
+                f"{t['replication']:.3f}",
+                f"{_mib(b['direct'])} / {_mib(b['hierarchical'])} / {_mib(b['bound'])}",
+                "met" if t["bytes_met"] else "missed",
+                f"{t['epoch_ratio']:.3f}",
+                {True: "met", False: "missed"}.get(t.get("epoch_met"), "-"),
+            ]
+        )
     return _table(head, body)
 
 
@@ -746,7 +947,9 @@ def figure(document: dict, stem: Path) -> Path | None:
             bottom = [b + h for b, h in zip(bottom, heights)]
         # The parts overlap (the exchange runs during the inner product): the bar can
         # stand above the epoch, marked black.
-        ax.scatter(labels, [r["epoch_time_s"] for r in records], marker="_", s=1500, color="black", zorder=3, label="epoch")
+        ax.scatter(
+            labels, [r["epoch_time_s"] for r in records], marker="_", s=1500, color="black", zorder=3, label="epoch"
+        )
         measured = records[0]["link"]["measured_gbit_s"]
         ax.set_title(f"{graph.split(':')[0]} {method}, {nodes}x{rpn}, {link} ({measured:.2f} Gbit/s)", fontsize="small")
         ax.set_ylabel("seconds per epoch (slowest rank)")
@@ -766,7 +969,11 @@ def print_plan(runs: list[Run], work: Path) -> None:
         print(shlex.join(command))
     for link in dict.fromkeys(r.link for r in runs):
         rate = parse_rate(link)
-        print(f"# link {link}" + ("" if rate is None else f": tbf burst {burst_bytes(rate)} bytes") + f"; then a {PROBE_MIB} MiB TCP transfer node 0 -> node 1")
+        print(
+            f"# link {link}"
+            + ("" if rate is None else f": tbf burst {burst_bytes(rate)} bytes")
+            + f"; then a {PROBE_MIB} MiB TCP transfer node 0 -> node 1"
+        )
         for command in link_commands(cluster, rate):
             print(shlex.join(command))
         for run in (r for r in runs if r.link == link):
@@ -777,24 +984,63 @@ def print_plan(runs: list[Run], work: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Flags after -- go to bnsgcn-train unchanged.")
-    parser.add_argument("--graph", metavar="DATASET", help="what bnsgcn-partition takes: synthetic:..., reddit, cora, ...")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Flags after -- go to bnsgcn-train unchanged.",
+    )
+    parser.add_argument(
+        "--graph", metavar="DATASET", help="what bnsgcn-partition takes: synthetic:..., reddit, cora, ..."
+    )
     parser.add_argument("--data-dir", help="dataset files, passed to bnsgcn-partition")
-    parser.add_argument("--method", nargs="+", action="extend", choices=("metis", "random"), help="partitioner(s) (default metis)")
+    parser.add_argument(
+        "--method", nargs="+", action="extend", choices=("metis", "random"), help="partitioner(s) (default metis)"
+    )
     parser.add_argument("--nodes", type=int, default=2, help="emulated machines (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks on each machine (default 2)")
-    parser.add_argument("--link", nargs="+", action="extend", help="rate of each node's link, as tc writes it (1gbit, 10gbit, ...), or none (default 1gbit)")
-    parser.add_argument("--p", nargs="+", action="extend", type=float, help="boundary sampling probabilities (default 1 0.1)")
-    parser.add_argument("--exchange", nargs="+", action="extend", choices=("direct", "hierarchical", "auto"), help="exchange modes (default direct hierarchical)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="graphsage", help="graphsage (3 x 128) or gat (3 layers, 4 heads x 32)")
+    parser.add_argument(
+        "--link",
+        nargs="+",
+        action="extend",
+        help="rate of each node's link, as tc writes it (1gbit, 10gbit, ...), or none (default 1gbit)",
+    )
+    parser.add_argument(
+        "--p", nargs="+", action="extend", type=float, help="boundary sampling probabilities (default 1 0.1)"
+    )
+    parser.add_argument(
+        "--exchange",
+        nargs="+",
+        action="extend",
+        choices=("direct", "hierarchical", "auto"),
+        help="exchange modes (default direct hierarchical)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="graphsage",
+        help="graphsage (3 x 128) or gat (3 layers, 4 heads x 32)",
+    )
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="threads per rank (default cores // (nodes x ranks per node), at least 1)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run (all its nodes) may take (default 900)")
-    parser.add_argument("--work", type=Path, help="partition sets, run directories, node logs (default <tmp>/bnsgcn-cluster, reused)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cluster.json", help="result JSON (default benchmarks/results/cluster.json)")
+    parser.add_argument(
+        "--threads", type=int, help="threads per rank (default cores // (nodes x ranks per node), at least 1)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds a run (all its nodes) may take (default 900)"
+    )
+    parser.add_argument(
+        "--work", type=Path, help="partition sets, run directories, node logs (default <tmp>/bnsgcn-cluster, reused)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "benchmarks" / "results" / "cluster.json",
+        help="result JSON (default benchmarks/results/cluster.json)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figure, and exit")
+    parser.add_argument(
+        "--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figure, and exit"
+    )
     return parser
 
 
@@ -805,10 +1051,18 @@ def check_args(args: argparse.Namespace) -> None:
     args.p = args.p or [1.0, 0.1]
     args.exchange = args.exchange or ["direct", "hierarchical"]
     if args.graph is None:
-        raise UserError("no graph given; pass --graph DATASET (what bnsgcn-partition takes, e.g. synthetic:nodes=20000,degree=20)")
+        raise UserError(
+            "no graph given; pass --graph DATASET (what bnsgcn-partition takes, e.g. synthetic:nodes=20000,degree=20)"
+        )
     if args.nodes < 2:
-        raise UserError(f"--nodes {args.nodes}: the emulated cluster needs at least 2 nodes (links between them are what it emulates)")
-    for flag, value in (("--ranks-per-node", args.ranks_per_node), ("--epochs", args.epochs), ("--threads", args.threads or 1)):
+        raise UserError(
+            f"--nodes {args.nodes}: the emulated cluster needs at least 2 nodes (links between them are what it emulates)"
+        )
+    for flag, value in (
+        ("--ranks-per-node", args.ranks_per_node),
+        ("--epochs", args.epochs),
+        ("--threads", args.threads or 1),
+    ):
         if value < 1:
             raise UserError(f"{flag} {value} must be a positive integer")
     for p in args.p:
@@ -852,7 +1106,7 @@ def show_saved(result: Path, render, figure) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after it: flags for bnsgcn-train
-    args, extra = build_parser().parse_args(argv[:split]), tuple(argv[split + 1:])
+    args, extra = build_parser().parse_args(argv[:split]), tuple(argv[split + 1 :])
     try:
         if args.render:
             return show_saved(args.render, render, figure)
@@ -865,7 +1119,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    document = on_cluster(lambda: benchmark(runs, work, args.out, "python -m benchmarks.cluster " + shlex.join(argv), args.timeout))
+    document = on_cluster(
+        lambda: benchmark(runs, work, args.out, "python -m benchmarks.cluster " + shlex.join(argv), args.timeout)
+    )
     if isinstance(document, int):
         return document
     print(render(document))

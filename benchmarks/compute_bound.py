@@ -47,7 +47,10 @@ class GatProducts(nn.Module):
     def __init__(self, widths: list[int], heads: int):
         super().__init__()
         self.heads = heads
-        self.lins = nn.ModuleList(nn.Linear(a if i == 0 else a * heads, b * heads, bias=False) for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])))
+        self.lins = nn.ModuleList(
+            nn.Linear(a if i == 0 else a * heads, b * heads, bias=False)
+            for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
+        )
         self.att = nn.ParameterList(nn.Parameter(torch.randn(2, heads, b) * 0.1) for b in widths[1:])
 
     def forward(self, adj: Adjacency, x: Tensor, x_agg: Tensor | None) -> Tensor:
@@ -82,13 +85,19 @@ def run(args: argparse.Namespace) -> dict:
         F.cross_entropy(logits[mask], graph.labels[mask], reduction="sum").backward()
 
     return measure_epochs(step, args.epochs) | {
-        "reference": "compute_bound", "model": args.model, "threads": args.threads, "nodes": n, "edges": int(graph.indices.numel()),
+        "reference": "compute_bound",
+        "model": args.model,
+        "threads": args.threads,
+        "nodes": n,
+        "edges": int(graph.indices.numel()),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts-dir", type=Path, required=True, help="a one-partition set (bnsgcn-partition --parts 1)")
+    parser.add_argument(
+        "--parts-dir", type=Path, required=True, help="a one-partition set (bnsgcn-partition --parts 1)"
+    )
     parser.add_argument("--model", choices=("graphsage", "gat"), default="graphsage")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=128)

@@ -29,8 +29,26 @@ MIB = 2**20
 def run_job(parts_dir: Path, procs: int, p: float, epochs: int, buffer_mib: float, out: Path, extra: list[str]) -> dict:
     """One job; its per-rank figures from report.json and the final scores."""
     command = [
-        sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts_dir), "--procs", str(procs), "--threads", "1",
-        "--p", str(p), "--epochs", str(epochs), "--eval-every", "0", "--eval-buffer-mib", str(buffer_mib), "--out", str(out), *extra,
+        sys.executable,
+        "-m",
+        "bnsgcn.launch.cli",
+        "--parts-dir",
+        str(parts_dir),
+        "--procs",
+        str(procs),
+        "--threads",
+        "1",
+        "--p",
+        str(p),
+        "--epochs",
+        str(epochs),
+        "--eval-every",
+        "0",
+        "--eval-buffer-mib",
+        str(buffer_mib),
+        "--out",
+        str(out),
+        *extra,
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -52,7 +70,11 @@ def run_job(parts_dir: Path, procs: int, p: float, epochs: int, buffer_mib: floa
             for r in report["ranks"]
         ],
         # the last epoch evaluates (--eval-every 0): its evaluation time, slowest rank
-        "evaluation_s": max(float(line["time"]["evaluation"]) for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "time" in line),
+        "evaluation_s": max(
+            float(line["time"]["evaluation"])
+            for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "time" in line
+        ),
     }
 
 
@@ -73,15 +95,26 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             for mib in settings:
                 load = os.getloadavg()[0]
-                run = run_job(args.parts_dir, args.procs, args.p, args.epochs, mib, Path(tmp) / f"{round_}-{mib}", args.extra)
+                run = run_job(
+                    args.parts_dir, args.procs, args.p, args.epochs, mib, Path(tmp) / f"{round_}-{mib}", args.extra
+                )
                 runs.append(run | {"round": round_, "load_average_1min": load})
                 peaks = ", ".join(f"{r['peak_rss_mib']:.0f}" for r in run["ranks"])
                 evals = ", ".join(f"{r['evaluation_buffer_mib']:.1f}" for r in run["ranks"])
-                print(f"round {round_} --eval-buffer-mib {mib:g}: peak RSS per rank {peaks} MiB; evaluation buffers {evals} MiB; "
-                      f"evaluation {run['evaluation_s']:.2f} s; test {run['test_score']:.4f} (load {load:.1f})", flush=True)
+                print(
+                    f"round {round_} --eval-buffer-mib {mib:g}: peak RSS per rank {peaks} MiB; evaluation buffers {evals} MiB; "
+                    f"evaluation {run['evaluation_s']:.2f} s; test {run['test_score']:.4f} (load {load:.1f})",
+                    flush=True,
+                )
     if args.result:
-        info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "parts_dir": str(args.parts_dir), "procs": args.procs,
-                "p": args.p, "epochs": args.epochs, "extra": args.extra}
+        info = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "parts_dir": str(args.parts_dir),
+            "procs": args.procs,
+            "p": args.p,
+            "epochs": args.epochs,
+            "extra": args.extra,
+        }
         args.result.write_text(json.dumps({"info": info, "runs": runs}, indent=1) + "\n")
     return 0
 

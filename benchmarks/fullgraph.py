@@ -52,7 +52,9 @@ def load_full_graph(parts_dir: Path) -> FullGraph:
     """The whole graph from a one-partition set."""
     arrays = load_partition(parts_dir, 0)
     if arrays.num_parts != 1:
-        raise UserError(f"{parts_dir} has {arrays.num_parts} partitions; the one-process references need a set written with --parts 1")
+        raise UserError(
+            f"{parts_dir} has {arrays.num_parts} partitions; the one-process references need a set written with --parts 1"
+        )
     if arrays["labels"].ndim != 1:
         raise UserError(f"{parts_dir} is multi-label; the one-process references train single-label graphs")
     tensor = lambda name, dtype: torch.from_numpy(np.array(arrays[name])).to(dtype)  # noqa: E731

@@ -75,7 +75,10 @@ def prepare_graph(name: str, work: Path, tool: Path = REFERENCE_TOOL) -> tuple[P
         _, error = execute(["python", str(tool), "--out", str(data)], os.cpu_count() or 1, TIMEOUT_S)
         if error:
             return parts, "make_reference_graph.py", error
-        command, source = ["bnsgcn-partition", "reddit", "--data-dir", str(data)], "make_reference_graph.py (200k nodes, 128 features, 16 classes)"
+        command, source = (
+            ["bnsgcn-partition", "reddit", "--data-dir", str(data)],
+            "make_reference_graph.py (200k nodes, 128 features, 16 classes)",
+        )
     else:
         command, source = ["bnsgcn-partition", GRAPHS[name]], GRAPHS[name]
     _, error = execute([*command, "--parts", "1", "--out", str(parts)], os.cpu_count() or 1, TIMEOUT_S)
@@ -86,8 +89,23 @@ def prepare_graph(name: str, work: Path, tool: Path = REFERENCE_TOOL) -> tuple[P
 def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, threads: int) -> dict:
     run_dir = work / f"run-{parts.name}-{model}-{device}"
     ranks = ["--gpus", "1"] if device == "cuda" else ["--procs", "1", "--threads", str(threads)]
-    command = ["bnsgcn-train", "--parts-dir", str(parts), *ranks, "--model", model, *size_flags(model), "--p", "1", "--epochs", str(epochs),
-               "--eval-every", "0", "--out", str(run_dir)]
+    command = [
+        "bnsgcn-train",
+        "--parts-dir",
+        str(parts),
+        *ranks,
+        "--model",
+        model,
+        *size_flags(model),
+        "--p",
+        "1",
+        "--epochs",
+        str(epochs),
+        "--eval-every",
+        "0",
+        "--out",
+        str(run_dir),
+    ]
     if run_dir.exists():
         import shutil
 
@@ -100,9 +118,12 @@ def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, th
     times = [line["time"]["epoch"] for line in lines if "time" in line]
     rank = json.loads((run_dir / "report.json").read_text())["ranks"][0]
     return result | {
-        "epoch_time_s": statistics.median(times[WARMUP:] or times), "epoch_times_s": times,
-        "peak_device_allocated_bytes": rank.get("peak_cuda_allocated_bytes"), "peak_device_reserved_bytes": rank.get("peak_cuda_reserved_bytes"),
-        "peak_rss_bytes": rank["peak_rss_bytes"], "time_split_s": rank["time_split"],
+        "epoch_time_s": statistics.median(times[WARMUP:] or times),
+        "epoch_times_s": times,
+        "peak_device_allocated_bytes": rank.get("peak_cuda_allocated_bytes"),
+        "peak_device_reserved_bytes": rank.get("peak_cuda_reserved_bytes"),
+        "peak_rss_bytes": rank["peak_rss_bytes"],
+        "time_split_s": rank["time_split"],
     }
 
 
@@ -129,7 +150,9 @@ def pyg_worker(args: argparse.Namespace) -> dict:
         model = PygSAGE(features.shape[1], sizes["hidden"], graph.num_classes, sizes["layers"], 0.5).to(device)
     else:
         x_agg = None
-        model = PygGAT(features.shape[1], sizes["hidden"], graph.num_classes, sizes["layers"], sizes["heads"], 0.5).to(device)
+        model = PygGAT(features.shape[1], sizes["hidden"], graph.num_classes, sizes["layers"], sizes["heads"], 0.5).to(
+            device
+        )
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     index = mask.nonzero().flatten()
     n_train = index.numel()
@@ -147,16 +170,41 @@ def pyg_worker(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    result = {"impl": "pyg", "variant": args.variant, "torch_geometric": torch_geometric.__version__, "epoch_time_s": statistics.median(times[WARMUP:] or times),
-              "epoch_times_s": times, "peak_rss_bytes": peak_rss_bytes()}
+    result = {
+        "impl": "pyg",
+        "variant": args.variant,
+        "torch_geometric": torch_geometric.__version__,
+        "epoch_time_s": statistics.median(times[WARMUP:] or times),
+        "epoch_times_s": times,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
     if device.type == "cuda":
-        result |= {"peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device), "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+        result |= {
+            "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
     return result
 
 
 def run_pyg(parts: Path, model: str, variant: str, device: str, epochs: int, threads: int) -> dict:
-    command = [sys.executable, "-m", "benchmarks.gpu", "--pyg-worker", "--parts-dir", str(parts), "--model", model, "--variant", variant,
-               "--device", device, "--epochs", str(epochs), "--threads", str(threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu",
+        "--pyg-worker",
+        "--parts-dir",
+        str(parts),
+        "--model",
+        model,
+        "--variant",
+        variant,
+        "--device",
+        device,
+        "--epochs",
+        str(epochs),
+        "--threads",
+        str(threads),
+    ]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -225,12 +273,20 @@ def spmm_bandwidth(adj, device: torch.device, widths: list[int], repeats: int, c
             seconds = median_time(fn, device, repeats)
             compulsory = csr_bytes + 2 * n * width * 4
             gathered = csr_bytes + (nnz + n) * width * 4
-            rows.append({
-                "product": name, "width": width, "nodes": n, "nnz": nnz, "seconds": seconds,
-                "bytes_compulsory": compulsory, "bytes_gathered": gathered,
-                "achieved_bytes_per_s": compulsory / seconds, "fraction_of_copy_bandwidth": compulsory / seconds / copy_bps,
-                "gathered_fraction_of_copy_bandwidth": gathered / seconds / copy_bps,
-            })
+            rows.append(
+                {
+                    "product": name,
+                    "width": width,
+                    "nodes": n,
+                    "nnz": nnz,
+                    "seconds": seconds,
+                    "bytes_compulsory": compulsory,
+                    "bytes_gathered": gathered,
+                    "achieved_bytes_per_s": compulsory / seconds,
+                    "fraction_of_copy_bandwidth": compulsory / seconds / copy_bps,
+                    "gathered_fraction_of_copy_bandwidth": gathered / seconds / copy_bps,
+                }
+            )
     return rows
 
 
@@ -268,8 +324,14 @@ def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) ->
     timed = (e for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA)
     events = sorted((e for e in timed if own(e) > 0), key=own, reverse=True)
     total_us = sum(own(e) for e in events)
-    return {"model": model, "nodes": n, "nnz": adj.nnz, "ms_per_call": total_us / calls / 1e3, "clock": "device" if cuda else "host",
-            "ops": [{"name": e.key, "calls": e.count // calls, "ms_per_call": own(e) / calls / 1e3} for e in events[:top]]}
+    return {
+        "model": model,
+        "nodes": n,
+        "nnz": adj.nnz,
+        "ms_per_call": total_us / calls / 1e3,
+        "clock": "device" if cuda else "host",
+        "ops": [{"name": e.key, "calls": e.count // calls, "ms_per_call": own(e) / calls / 1e3} for e in events[:top]],
+    }
 
 
 # ----------------------------------------------------------------------------- output
@@ -277,12 +339,23 @@ def _merge(path: Path, document: dict) -> dict:
     """Add this call's results to those already in ``path`` (same graph/model/impl replaced)."""
     if path.is_file():
         old = json.loads(path.read_text())
-        key = lambda r: (r.get("graph"), r.get("model"), r.get("impl"), r.get("variant"), r.get("product"), r.get("width"))  # noqa: E731
+        key = lambda r: (
+            r.get("graph"),
+            r.get("model"),
+            r.get("impl"),
+            r.get("variant"),
+            r.get("product"),
+            r.get("width"),
+        )  # noqa: E731
         for section in ("runs", "spmm", "profiles"):
             fresh = {key(r) for r in document.get(section, [])}
             document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document.get(section, [])
         # a set partitioned by an earlier call keeps that call's description of its source
-        fresh_graphs = {g: info for g, info in document["graphs"].items() if info["source"] != "reused" or g not in old.get("graphs", {})}
+        fresh_graphs = {
+            g: info
+            for g, info in document["graphs"].items()
+            if info["source"] != "reused" or g not in old.get("graphs", {})
+        }
         document["graphs"] = old.get("graphs", {}) | fresh_graphs
     return document
 
@@ -320,27 +393,52 @@ def render(document: dict) -> str:
     ]
     runs = document["runs"]
     for run in runs:
-        best_pyg = min((r for r in runs if r["impl"] == "pyg" and r["graph"] == run["graph"] and r["model"] == run["model"] and "epoch_time_s" in r),
-                       key=lambda r: r["epoch_time_s"], default=None)
+        best_pyg = min(
+            (
+                r
+                for r in runs
+                if r["impl"] == "pyg"
+                and r["graph"] == run["graph"]
+                and r["model"] == run["model"]
+                and "epoch_time_s" in r
+            ),
+            key=lambda r: r["epoch_time_s"],
+            default=None,
+        )
         name = run["impl"] + (f" ({run['variant']})" if run.get("variant") else "")
         if "error" in run:
-            lines.append(f"| {run['graph']} | {run['model']} | {name} | {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |")
+            lines.append(
+                f"| {run['graph']} | {run['model']} | {name} | {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |"
+            )
             continue
         ratio = memory = ""
         if run["impl"] == "bnsgcn" and best_pyg is not None:
             ratio = f"{run['epoch_time_s'] / best_pyg['epoch_time_s']:.2f}x"
             if run.get("peak_device_allocated_bytes") and best_pyg.get("peak_device_allocated_bytes"):
                 memory = f"{run['peak_device_allocated_bytes'] / best_pyg['peak_device_allocated_bytes']:.2f}x"
-        lines.append(f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} | {_mib(run.get('peak_device_allocated_bytes'))} | "
-                     f"{_mib(run.get('peak_device_reserved_bytes'))} | {ratio} | {memory} |")
-    lines += ["", "| graph | product | width | time (ms) | GB/s (compulsory bytes) | of copy bandwidth | with every row gathered |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} | {_mib(run.get('peak_device_allocated_bytes'))} | "
+            f"{_mib(run.get('peak_device_reserved_bytes'))} | {ratio} | {memory} |"
+        )
+    lines += [
+        "",
+        "| graph | product | width | time (ms) | GB/s (compulsory bytes) | of copy bandwidth | with every row gathered |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in document["spmm"]:
-        lines.append(f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} | {row['achieved_bytes_per_s'] / 1e9:.0f} | "
-                     f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |")
+        lines.append(
+            f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} | {row['achieved_bytes_per_s'] / 1e9:.0f} | "
+            f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |"
+        )
     for profile in document.get("profiles", []):
-        lines += ["", f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, {profile['ms_per_call']:.2f} ms "
-                  f"({profile['clock']} time){' (' + profile['note'] + ')' if profile.get('note') else ''}; its largest operations:",
-                  "", "| operation | calls | ms |", "|---|---|---|"]
+        lines += [
+            "",
+            f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, {profile['ms_per_call']:.2f} ms "
+            f"({profile['clock']} time){' (' + profile['note'] + ')' if profile.get('note') else ''}; its largest operations:",
+            "",
+            "| operation | calls | ms |",
+            "|---|---|---|",
+        ]
         lines += [f"| `{_short(op['name'])}` | {op['calls']} | {op['ms_per_call']:.3f} |" for op in profile["ops"]]
     return "\n".join(lines) + "\n"
 
@@ -348,16 +446,29 @@ def render(document: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="a tiny graph, 4 epochs, few repeats: checks the script, measures nothing")
-    parser.add_argument("--graphs", default="reference,reddit", help="comma-separated: reference, reddit (with --quick: quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny graph, 4 epochs, few repeats: checks the script, measures nothing"
+    )
+    parser.add_argument(
+        "--graphs", default="reference,reddit", help="comma-separated: reference, reddit (with --quick: quick)"
+    )
     parser.add_argument("--models", default="graphsage,gat")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bnsgcn-gpu-bench", help="partition sets and runs (GBs for the Reddit-sized graph)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "bnsgcn-gpu-bench",
+        help="partition sets and runs (GBs for the Reddit-sized graph)",
+    )
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--skip-pyg", action="store_true")
-    parser.add_argument("--reference-tool", type=Path, default=REFERENCE_TOOL,
-                        help="make_reference_graph.py (default ../shared/tools/; where it is missing, the synthetic generator at the same sizes)")
+    parser.add_argument(
+        "--reference-tool",
+        type=Path,
+        default=REFERENCE_TOOL,
+        help="make_reference_graph.py (default ../shared/tools/; where it is missing, the synthetic generator at the same sizes)",
+    )
     # internal: one PyG measurement in a process of its own
     parser.add_argument("--pyg-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parts-dir", type=Path, help=argparse.SUPPRESS)
@@ -376,8 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     args.work.mkdir(parents=True, exist_ok=True)
     copy_bps = copy_bandwidth(device, (16 if args.quick else 1024) * 2**20, repeats)
-    info = machine() | {"device": args.device, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                        "copy_bandwidth_gb_s": copy_bps / 1e9, "cuda": torch.version.cuda}
+    info = machine() | {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "copy_bandwidth_gb_s": copy_bps / 1e9,
+        "cuda": torch.version.cuda,
+    }
     document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": [], "profiles": []}
     stem = "gpu-quick" if args.quick else "gpu"
     for graph in graphs:
@@ -390,18 +505,26 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for model in args.models.split(","):
             log(f"{graph} {model}: bnsgcn")
-            document["runs"].append({"graph": graph, "model": model} | run_engine(parts, model, args.device, epochs, args.work, args.threads))
+            document["runs"].append(
+                {"graph": graph, "model": model}
+                | run_engine(parts, model, args.device, epochs, args.work, args.threads)
+            )
             save(args.results, stem, document)
             if not args.skip_pyg:
                 for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
                     log(f"{graph} {model}: pyg {variant}")
-                    document["runs"].append({"graph": graph, "model": model} | run_pyg(parts, model, variant, args.device, epochs, args.threads))
+                    document["runs"].append(
+                        {"graph": graph, "model": model}
+                        | run_pyg(parts, model, variant, args.device, epochs, args.threads)
+                    )
                     save(args.results, stem, document)
         log(f"{graph}: sparse products")
         widths = sorted({128, int(load_partition(parts, 0)["features"].shape[1])})
         try:
             adj = whole_graph_adjacency(parts, device)
-            document["spmm"] += [{"graph": graph} | row for row in spmm_bandwidth(adj, device, widths, repeats, copy_bps)]
+            document["spmm"] += [
+                {"graph": graph} | row for row in spmm_bandwidth(adj, device, widths, repeats, copy_bps)
+            ]
             for model in args.models.split(","):
                 log(f"{graph} {model}: profile of one layer's aggregation")
                 document["profiles"].append({"graph": graph} | profile_aggregation(adj, device, model))

@@ -109,7 +109,12 @@ def copy_bandwidth(repeat: int) -> float:
 
 def spmm_bytes(n_out: int, n_structure_rows: int, nnz: int, dim: int, index_bytes: int) -> int:
     """Bytes one spmm pass touches: row pointers, indices, values, gathered rows, written rows."""
-    return (n_structure_rows + 1) * 8 + nnz * (index_bytes + FLOAT_BYTES) + nnz * dim * FLOAT_BYTES + n_out * dim * FLOAT_BYTES
+    return (
+        (n_structure_rows + 1) * 8
+        + nnz * (index_bytes + FLOAT_BYTES)
+        + nnz * dim * FLOAT_BYTES
+        + n_out * dim * FLOAT_BYTES
+    )
 
 
 def bench_spmm(adj: Adjacency, dim: int, repeat: int) -> dict:
@@ -229,7 +234,10 @@ def first_call_times(threads: int) -> dict:
         for label in ("cold_compile", "cached"):
             out = subprocess.run(
                 [sys.executable, "-c", _FIRST_CALL_SCRIPT.format(threads=threads)],
-                env=env, check=True, capture_output=True, text=True,
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
             )
             result[label] = json.loads(out.stdout.strip().splitlines()[-1])
     return result

@@ -51,10 +51,14 @@ def in_id_order(topology: Topology, inner_ids: np.ndarray, boundary_ids: np.ndar
     lengths = np.diff(indptr)[old_of_new[:n]]
     new_indptr = np.concatenate([[0], np.cumsum(lengths)])
     rows = np.repeat(np.arange(n), lengths)
-    columns = new_of_old[np.concatenate([indices[indptr[o]:indptr[o + 1]] for o in old_of_new[:n]])]
+    columns = new_of_old[np.concatenate([indices[indptr[o] : indptr[o + 1]] for o in old_of_new[:n]])]
     columns = columns[np.lexsort((columns, rows))]
-    return replace(topology, indptr=torch.from_numpy(new_indptr), indices=torch.from_numpy(columns.astype(np.int32)),
-                   degree=topology.degree[torch.from_numpy(old_of_new)])
+    return replace(
+        topology,
+        indptr=torch.from_numpy(new_indptr),
+        indices=torch.from_numpy(columns.astype(np.int32)),
+        degree=topology.degree[torch.from_numpy(old_of_new)],
+    )
 
 
 def time_products(graphs: dict[str, ShardGraph], width: int, repeat: int) -> list[dict]:
@@ -76,9 +80,17 @@ def time_products(graphs: dict[str, ShardGraph], width: int, repeat: int) -> lis
             start = time.perf_counter()
             call()
             times[key].append(time.perf_counter() - start)
-    return [{"order": order, "columns": columns, "product": product, "width": width,
-             "median_s": float(np.median(t)), "min_s": float(np.min(t))}
-            for (order, columns, product), t in times.items()]
+    return [
+        {
+            "order": order,
+            "columns": columns,
+            "product": product,
+            "width": width,
+            "median_s": float(np.median(t)),
+            "min_s": float(np.min(t)),
+        }
+        for (order, columns, product), t in times.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,24 +106,50 @@ def main(argv: list[str] | None = None) -> int:
     shard = load_shard(args.parts_dir, args.part, None)
     arrays = load_partition(args.parts_dir, args.part)
     ids = in_id_order(shard.topology, np.asarray(arrays["inner_nodes"]), np.asarray(arrays["boundary_nodes"]))
-    graphs = {f"as written ({node_order})": ShardGraph(shard.topology, "graphsage", torch.device("cpu")),
-              "ascending ids": ShardGraph(ids, "graphsage", torch.device("cpu"))}
+    graphs = {
+        f"as written ({node_order})": ShardGraph(shard.topology, "graphsage", torch.device("cpu")),
+        "ascending ids": ShardGraph(ids, "graphsage", torch.device("cpu")),
+    }
     rows = [row for width in args.widths for row in time_products(graphs, width, args.repeat)]
-    print(f"partition {args.part} of {args.parts_dir}: {shard.topology.n_inner:,} inner, {shard.topology.n_boundary:,} boundary nodes, "
-          f"{shard.topology.nnz:,} entries; one thread, median (min) of {args.repeat} calls, ms")
+    print(
+        f"partition {args.part} of {args.parts_dir}: {shard.topology.n_inner:,} inner, {shard.topology.n_boundary:,} boundary nodes, "
+        f"{shard.topology.nnz:,} entries; one thread, median (min) of {args.repeat} calls, ms"
+    )
     print(f"| width | columns | product | {' | '.join(graphs)} |")
     print("|---|---|---|" + "---|" * len(graphs))
     for width in args.widths:
         for columns in ("inner", "boundary"):
             for product in ("A X", "A^T dY"):
-                cells = [next(r for r in rows if (r["order"], r["columns"], r["product"], r["width"]) == (order, columns, product, width))
-                         for order in graphs]
-                print(f"| {width} | {columns} | `{product}` | " + " | ".join(f"{c['median_s'] * 1e3:.1f} ({c['min_s'] * 1e3:.1f})" for c in cells) + " |")
+                cells = [
+                    next(
+                        r
+                        for r in rows
+                        if (r["order"], r["columns"], r["product"], r["width"]) == (order, columns, product, width)
+                    )
+                    for order in graphs
+                ]
+                print(
+                    f"| {width} | {columns} | `{product}` | "
+                    + " | ".join(f"{c['median_s'] * 1e3:.1f} ({c['min_s'] * 1e3:.1f})" for c in cells)
+                    + " |"
+                )
     if args.out is not None:
-        write_json(args.out, {"date": date.today().isoformat(), "command": " ".join(sys.argv), "machine": machine(),
-                              "parts_dir": str(args.parts_dir), "part": args.part, "node_order": node_order,
-                              "n_inner": shard.topology.n_inner, "n_boundary": shard.topology.n_boundary,
-                              "entries": shard.topology.nnz, "repeat": args.repeat, "products": rows})
+        write_json(
+            args.out,
+            {
+                "date": date.today().isoformat(),
+                "command": " ".join(sys.argv),
+                "machine": machine(),
+                "parts_dir": str(args.parts_dir),
+                "part": args.part,
+                "node_order": node_order,
+                "n_inner": shard.topology.n_inner,
+                "n_boundary": shard.topology.n_boundary,
+                "entries": shard.topology.nnz,
+                "repeat": args.repeat,
+                "products": rows,
+            },
+        )
         print(f"wrote {args.out}")
     return 0
 

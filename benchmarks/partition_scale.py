@@ -44,14 +44,13 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bnsgcn.data.format import load_partition  # noqa: E402
 from bnsgcn.partition.datasets import Progress, load_dataset  # noqa: E402
 from bnsgcn.partition.datasets.csr import META, write_synthetic_csr  # noqa: E402
 from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec  # noqa: E402
 from bnsgcn.partition.order import ORDERS, block_positions  # noqa: E402
 from bnsgcn.partition.partitioner import METHODS, assign, method_info, resolve_method  # noqa: E402
 from bnsgcn.partition.writer import format_report, write_partition_set  # noqa: E402
-
-from bnsgcn.data.format import load_partition  # noqa: E402
 
 REDDIT_SIZED = "synthetic:nodes=232965,degree=490,features=602,classes=41"
 GIB = 1024**3
@@ -128,18 +127,24 @@ def measure(phases: list[dict], name: str, action: Callable[[], object]) -> obje
     peak = peak_rss_bytes()
     # METIS runs in a forked child (partition/partitioner.py): its peak is the children's.
     child_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    phases.append({
-        "phase": name,
-        "seconds": round(seconds, 2),
-        "peak_anon_gib": round(anonymous.peak / GIB, 3),
-        "peak_rss_gib": round(peak / GIB, 3),
-        "peak_is_per_phase": per_phase,
-        "child_peak_rss_gib": round(child_peak / GIB, 3),
-        "rss_gib_after": round(psutil.Process().memory_info().rss / GIB, 3),
-    })
-    print(f"[{time.strftime('%H:%M:%S')}] {name} done in {seconds:.1f}s, peak anonymous {anonymous.peak / GIB:.2f} GiB "
-          f"(this process and children), peak RSS {peak / GIB:.2f} GiB incl. mapped files "
-          f"(child processes so far: {child_peak / GIB:.2f} GiB)", file=sys.stderr, flush=True)
+    phases.append(
+        {
+            "phase": name,
+            "seconds": round(seconds, 2),
+            "peak_anon_gib": round(anonymous.peak / GIB, 3),
+            "peak_rss_gib": round(peak / GIB, 3),
+            "peak_is_per_phase": per_phase,
+            "child_peak_rss_gib": round(child_peak / GIB, 3),
+            "rss_gib_after": round(psutil.Process().memory_info().rss / GIB, 3),
+        }
+    )
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {name} done in {seconds:.1f}s, peak anonymous {anonymous.peak / GIB:.2f} GiB "
+        f"(this process and children), peak RSS {peak / GIB:.2f} GiB incl. mapped files "
+        f"(child processes so far: {child_peak / GIB:.2f} GiB)",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -160,12 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", default=REDDIT_SIZED, help=f"dataset spec (default {REDDIT_SIZED})")
     parser.add_argument("--parts", type=int, default=8)
-    parser.add_argument("--method", default="metis",
-                        help=f"partitioner, or several comma-separated to run side by side ({', '.join(METHODS)}; default metis)")
-    parser.add_argument("--csr-dir", type=Path, help="stream the synthetic --spec to this csr: directory and partition it memory-mapped")
+    parser.add_argument(
+        "--method",
+        default="metis",
+        help=f"partitioner, or several comma-separated to run side by side ({', '.join(METHODS)}; default metis)",
+    )
+    parser.add_argument(
+        "--csr-dir", type=Path, help="stream the synthetic --spec to this csr: directory and partition it memory-mapped"
+    )
     parser.add_argument("--node-order", choices=ORDERS, default="blocks", help="as bnsgcn-partition's (default blocks)")
-    parser.add_argument("--memory-limit-gib", type=float, help="memory the partitioners may assume (default: available)")
-    parser.add_argument("--out", type=Path, help="keep the last partition set here (default: a deleted temporary directory)")
+    parser.add_argument(
+        "--memory-limit-gib", type=float, help="memory the partitioners may assume (default: available)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="keep the last partition set here (default: a deleted temporary directory)"
+    )
     parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "results" / "partition_scale.json")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
@@ -179,40 +193,70 @@ def main(argv: list[str] | None = None) -> int:
     if args.csr_dir is not None:
         measure(phases, "generate (streamed to disk)", lambda: prepare_csr(args.spec, args.csr_dir))
         spec = f"csr:{args.csr_dir}"
-    graph = measure(phases, "load" + (" (memory-mapped, checked)" if args.csr_dir else ""),
-                    lambda: load_dataset(spec, None, progress=True))
+    graph = measure(
+        phases,
+        "load" + (" (memory-mapped, checked)" if args.csr_dir else ""),
+        lambda: load_dataset(spec, None, progress=True),
+    )
     for method in methods:
         resolved = resolve_method(method, graph.num_nodes, graph.num_edges, limit)
         run_phases: list[dict] = []
         with tempfile.TemporaryDirectory(prefix="partition-scale-") as scratch:
             out_dir = args.out if args.out is not None and method == methods[-1] else Path(scratch) / "set"
-            assignment = measure(run_phases, f"assign ({resolved})", lambda: assign(
-                graph, args.parts, resolved, "cut", 0, memory_limit=limit, progress=True))
+            assignment = measure(
+                run_phases,
+                f"assign ({resolved})",
+                lambda: assign(graph, args.parts, resolved, "cut", 0, memory_limit=limit, progress=True),
+            )
             position, blocks = None, None
             if args.node_order == "blocks":
-                position, blocks = measure(run_phases, "order (blocks)", lambda: block_positions(
-                    graph, assignment, args.parts, memory_limit=limit))
-            info = method_info(resolved, "cut", 0) | {"node_order": args.node_order} | ({"blocks_by": blocks} if blocks else {})
-            manifest = measure(run_phases, "write", lambda: write_partition_set(
-                graph, assignment, out_dir, parts=args.parts, method_info=info, dataset_spec=spec, force=True,
-                position=position))
+                position, blocks = measure(
+                    run_phases,
+                    "order (blocks)",
+                    lambda: block_positions(graph, assignment, args.parts, memory_limit=limit),
+                )
+            info = (
+                method_info(resolved, "cut", 0)
+                | {"node_order": args.node_order}
+                | ({"blocks_by": blocks} if blocks else {})
+            )
+            manifest = measure(
+                run_phases,
+                "write",
+                lambda: write_partition_set(
+                    graph,
+                    assignment,
+                    out_dir,
+                    parts=args.parts,
+                    method_info=info,
+                    dataset_spec=spec,
+                    force=True,
+                    position=position,
+                ),
+            )
             del position
-            measure(run_phases, "verify checksums", lambda: [load_partition(out_dir, k, verify=True) for k in range(args.parts)])
+            measure(
+                run_phases,
+                "verify checksums",
+                lambda: [load_partition(out_dir, k, verify=True) for k in range(args.parts)],
+            )
             set_bytes = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
         print(f"{method} ({resolved}):\n{format_report(manifest['report'])}")
-        runs.append({
-            "method": method,
-            "resolved": resolved,
-            "node_order": args.node_order,
-            "blocks_by": blocks,
-            "phases": run_phases,
-            "seconds": round(sum(p["seconds"] for p in run_phases), 2),
-            "peak_anon_gib": max(p["peak_anon_gib"] for p in run_phases),
-            "cut_edges": manifest["report"]["totals"]["cut_edges"],
-            "cut_fraction": round(manifest["report"]["totals"]["cut_edges"] / max(1, graph.num_edges), 4),
-            "set_bytes": set_bytes,
-            "report_totals": manifest["report"]["totals"],
-        })
+        runs.append(
+            {
+                "method": method,
+                "resolved": resolved,
+                "node_order": args.node_order,
+                "blocks_by": blocks,
+                "phases": run_phases,
+                "seconds": round(sum(p["seconds"] for p in run_phases), 2),
+                "peak_anon_gib": max(p["peak_anon_gib"] for p in run_phases),
+                "cut_edges": manifest["report"]["totals"]["cut_edges"],
+                "cut_fraction": round(manifest["report"]["totals"]["cut_edges"] / max(1, graph.num_edges), 4),
+                "set_bytes": set_bytes,
+                "report_totals": manifest["report"]["totals"],
+            }
+        )
         phases.extend({**p, "phase": f"{method}: {p['phase']}"} for p in run_phases)
 
     result = {
@@ -229,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         "spec": args.spec,
         "input": "memory-mapped csr" if args.csr_dir else "in memory",
         "parts": args.parts,
-        "graph": {"nodes": graph.num_nodes, "directed_edges": graph.num_edges, "features": int(graph.features.shape[1])},
+        "graph": {
+            "nodes": graph.num_nodes,
+            "directed_edges": graph.num_edges,
+            "features": int(graph.features.shape[1]),
+        },
         "phases": phases,
         "runs": runs,
         "total_seconds": round(sum(p["seconds"] for p in phases), 2),
@@ -240,9 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.result.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, args.result)
-    print(json.dumps({k: result[k] for k in ("total_seconds", "peak_anon_gib", "peak_rss_gib")}
-                     | {"runs": [{k: r[k] for k in ("method", "resolved", "seconds", "peak_anon_gib", "cut_edges")} for r in runs]},
-                     indent=1))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("total_seconds", "peak_anon_gib", "peak_rss_gib")}
+            | {
+                "runs": [
+                    {k: r[k] for k in ("method", "resolved", "seconds", "peak_anon_gib", "cut_edges")} for r in runs
+                ]
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

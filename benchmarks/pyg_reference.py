@@ -74,7 +74,9 @@ class PygGAT(nn.Module):
         self.convs = nn.ModuleList()
         for i in range(layers):
             last = i == layers - 1
-            self.convs.append(GATConv(d_in, classes if last else hidden, heads=heads, concat=not last, add_self_loops=False))
+            self.convs.append(
+                GATConv(d_in, classes if last else hidden, heads=heads, concat=not last, add_self_loops=False)
+            )
             d_in = hidden * heads
         self.norms = nn.ModuleList(nn.LayerNorm(hidden * heads) for _ in range(layers - 1))
 
@@ -128,15 +130,24 @@ def run(args: argparse.Namespace) -> dict:
     result = measure_epochs(step, args.epochs)
     peak = peak_rss_bytes()
     return result | {
-        "reference": "pyg", "variant": args.variant, "model": args.model, "threads": args.threads,
-        "torch_geometric": torch_geometric.__version__, "nodes": graph.num_nodes, "edges": int(graph.indices.numel()),
-        "peak_rss_bytes": peak, "baseline_rss_bytes": baseline, "memory_above_baseline_bytes": peak - baseline,
+        "reference": "pyg",
+        "variant": args.variant,
+        "model": args.model,
+        "threads": args.threads,
+        "torch_geometric": torch_geometric.__version__,
+        "nodes": graph.num_nodes,
+        "edges": int(graph.indices.numel()),
+        "peak_rss_bytes": peak,
+        "baseline_rss_bytes": baseline,
+        "memory_above_baseline_bytes": peak - baseline,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts-dir", type=Path, required=True, help="a one-partition set (bnsgcn-partition --parts 1)")
+    parser.add_argument(
+        "--parts-dir", type=Path, required=True, help="a one-partition set (bnsgcn-partition --parts 1)"
+    )
     parser.add_argument("--model", choices=("graphsage", "gat"), default="graphsage")
     parser.add_argument("--variant", choices=VARIANTS, default="csr", help="aggregation path (gat: edge_index only)")
     parser.add_argument("--layers", type=int, default=3)

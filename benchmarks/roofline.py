@@ -222,11 +222,18 @@ def read_rank_graphs(parts_dir: Path) -> list[RankGraph]:
         shard = load_shard(parts_dir, part, None)
         topo = shard.topology
         inner_entries = int((topo.indices < topo.n_inner).sum())
-        graphs.append(RankGraph(
-            rank=part, inner=topo.n_inner, boundary=topo.n_boundary, inner_entries=inner_entries,
-            boundary_entries=topo.nnz - inner_entries, train_nodes=int(shard.train_mask.sum()),
-            features=int(shard.features.shape[1]), classes=shard.num_classes,
-        ))
+        graphs.append(
+            RankGraph(
+                rank=part,
+                inner=topo.n_inner,
+                boundary=topo.n_boundary,
+                inner_entries=inner_entries,
+                boundary_entries=topo.nnz - inner_entries,
+                train_nodes=int(shard.train_mask.sum()),
+                features=int(shard.features.shape[1]),
+                classes=shard.num_classes,
+            )
+        )
     return graphs
 
 
@@ -253,7 +260,11 @@ def gemm_seconds(kind: str, rows: int, d_in: int, d_out: int, repeat: int) -> fl
     """Best time of one dense product of the model as torch runs it (see the module docstring),
     into an output allocated once: the arithmetic, not the page faults of fresh memory."""
     x, w, dy = torch.randn(rows, d_in), torch.randn(d_out, d_in), torch.randn(rows, d_out)
-    out = {"forward": torch.empty(rows, d_out), "grad_input": torch.empty(rows, d_in), "grad_weight": torch.empty(d_out, d_in)}[kind]
+    out = {
+        "forward": torch.empty(rows, d_out),
+        "grad_input": torch.empty(rows, d_in),
+        "grad_weight": torch.empty(d_out, d_in),
+    }[kind]
     products = {
         "forward": lambda: torch.mm(x, w.t(), out=out),
         "grad_input": lambda: torch.mm(dy, w, out=out),
@@ -283,7 +294,13 @@ def gather_bandwidth(rows: int, width: int, entries: int, repeat: int) -> dict:
     total = np.zeros(width, dtype=np.float32)
     seconds = best_times({"gather": lambda: _gather_rows_sum(matrix, index, total)}, repeat)["gather"]
     gathered = index.size * width * FLOAT_BYTES
-    return {"width": width, "rows": rows, "entries": int(index.size), "seconds": seconds, "bytes_per_s": gathered / seconds}
+    return {
+        "width": width,
+        "rows": rows,
+        "entries": int(index.size),
+        "seconds": seconds,
+        "bytes_per_s": gathered / seconds,
+    }
 
 
 def measure_roofline(graphs: list[RankGraph], repeat: int, busy: int = 0) -> dict:
@@ -292,7 +309,9 @@ def measure_roofline(graphs: list[RankGraph], repeat: int, busy: int = 0) -> dic
     that run the same measurements over and over meanwhile (the other ranks' cores)."""
     context = mp.get_context("spawn")
     started = [context.Event() for _ in range(busy)]
-    neighbours = [context.Process(target=_keep_measuring, args=(graphs, repeat, event), daemon=True) for event in started]
+    neighbours = [
+        context.Process(target=_keep_measuring, args=(graphs, repeat, event), daemon=True) for event in started
+    ]
     try:
         for process, event in zip(neighbours, started):
             process.start()
@@ -317,17 +336,34 @@ def _roofline(graphs: list[RankGraph], repeat: int) -> dict:
     torch.set_num_threads(1)
     largest = max(graphs, key=lambda g: g.inner + g.boundary)
     widths = layer_widths(largest.features, largest.classes)
-    shapes = [(kind, d_in, d_out) for layer, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]))
-              for kind in GEMM_KINDS if layer > 0 or kind != "grad_input"]  # layer 0's input needs no gradient
+    shapes = [
+        (kind, d_in, d_out)
+        for layer, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]))
+        for kind in GEMM_KINDS
+        if layer > 0 or kind != "grad_input"
+    ]  # layer 0's input needs no gradient
     gemms = []
     for kind, d_in, d_out in dict.fromkeys(shapes):  # each distinct product once, in model order
         seconds = gemm_seconds(kind, largest.inner, d_in, d_out, repeat)
-        gemms.append({"kind": kind, "rows": largest.inner, "d_in": d_in, "d_out": d_out, "seconds": seconds,
-                      "flop_per_s": 2 * largest.inner * d_in * d_out / seconds})
+        gemms.append(
+            {
+                "kind": kind,
+                "rows": largest.inner,
+                "d_in": d_in,
+                "d_out": d_out,
+                "seconds": seconds,
+                "flop_per_s": 2 * largest.inner * d_in * d_out / seconds,
+            }
+        )
     aggregated = sorted({aggregated_width(a, b) for a, b in zip(widths[1:-1], widths[2:])}, reverse=True)
     entries = largest.inner_entries + largest.boundary_entries
     gathers = [gather_bandwidth(largest.inner + largest.boundary, w, entries, repeat) for w in aggregated]
-    return {"threads": torch.get_num_threads(), "gemm": gemms, "gather": gathers, "copy_bytes_per_s": copy_bandwidth(repeat)}
+    return {
+        "threads": torch.get_num_threads(),
+        "gemm": gemms,
+        "gather": gathers,
+        "copy_bytes_per_s": copy_bandwidth(repeat),
+    }
 
 
 def around(before: dict, after: dict) -> dict:
@@ -346,7 +382,13 @@ def around(before: dict, after: dict) -> dict:
     first, second = before["copy_bytes_per_s"], after["copy_bytes_per_s"]  # rates of one byte's work
     spreads.append(abs(first - second) / max(first, second))
     copy = 2 / (1 / first + 1 / second)
-    return {"threads": before["threads"], "gemm": gemm, "gather": gather, "copy_bytes_per_s": copy, "rate_spread": max(spreads)}
+    return {
+        "threads": before["threads"],
+        "gemm": gemm,
+        "gather": gather,
+        "copy_bytes_per_s": copy,
+        "rate_spread": max(spreads),
+    }
 
 
 def _exchange_rank(rank: int, world: int, port: int, nbytes: int, repeat: int, results) -> None:
@@ -385,13 +427,19 @@ def exchange_cpu_cost(ranks: int, nbytes: int, repeat: int, timeout_s: int) -> d
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_exchange_rank, args=(r, ranks, port, nbytes, repeat, results), daemon=True) for r in range(ranks)]
+    processes = [
+        context.Process(target=_exchange_rank, args=(r, ranks, port, nbytes, repeat, results), daemon=True)
+        for r in range(ranks)
+    ]
     for process in processes:
         process.start()
     try:
         cpu = [results.get(timeout=timeout_s)[1] for _ in processes]
     except queue.Empty:
-        states = ", ".join(f"process {r} {'still running' if process.is_alive() else f'exited with {process.exitcode}'}" for r, process in enumerate(processes))
+        states = ", ".join(
+            f"process {r} {'still running' if process.is_alive() else f'exited with {process.exitcode}'}"
+            for r, process in enumerate(processes)
+        )
         raise RuntimeError(f"the all-to-all measurement gave no result within {timeout_s} s: {states}") from None
     finally:
         for process in processes:
@@ -408,12 +456,16 @@ def fastest(before: dict, after: dict) -> dict:
     """The roofline of a run from the faster of the two measurements around it, each
     measurement taken alone: the stricter floor (a measurement that caught the machine in
     a slow stretch does not lower the bar)."""
+
     def faster(first: dict, second: dict) -> dict:
         return first if first["seconds"] <= second["seconds"] else second
 
-    return {"threads": before["threads"], "gemm": [faster(a, b) for a, b in zip(before["gemm"], after["gemm"], strict=True)],
-            "gather": [faster(a, b) for a, b in zip(before["gather"], after["gather"], strict=True)],
-            "copy_bytes_per_s": max(before["copy_bytes_per_s"], after["copy_bytes_per_s"])}
+    return {
+        "threads": before["threads"],
+        "gemm": [faster(a, b) for a, b in zip(before["gemm"], after["gemm"], strict=True)],
+        "gather": [faster(a, b) for a, b in zip(before["gather"], after["gather"], strict=True)],
+        "copy_bytes_per_s": max(before["copy_bytes_per_s"], after["copy_bytes_per_s"]),
+    }
 
 
 def floor(graph: RankGraph, run: RunFigures, roofline: dict) -> dict:
@@ -448,8 +500,10 @@ def floor(graph: RankGraph, run: RunFigures, roofline: dict) -> dict:
     hidden_steps = len(widths) - 2
     t, c, features = graph.train_nodes, graph.classes, graph.features
     elementwise_bytes = {
-        "forward": 2 * (2 * f + MASK_BYTES) * n * features + hidden_steps * (2 * f + MASK_BYTES) * n * HIDDEN
-        + 2 * run.sent_feature_bytes + f * t * c,
+        "forward": 2 * (2 * f + MASK_BYTES) * n * features
+        + hidden_steps * (2 * f + MASK_BYTES) * n * HIDDEN
+        + 2 * run.sent_feature_bytes
+        + f * t * c,
         "backward": 2 * f * t * c + hidden_steps * (3 * f + MASK_BYTES) * n * HIDDEN + 3 * run.received_gradient_bytes,
     }
     optimizer_bytes = 8 * f * parameter_count(widths)
@@ -499,14 +553,43 @@ def with_machine_use(work: Callable[[], Result], who: int) -> tuple[Result, dict
     wall, own, busy_after = time.perf_counter() - start, own_cpu_seconds(who) - own_before, busy_cpu_seconds()
     others = None if busy_before is None or busy_after is None else max(busy_after - busy_before - own, 0.0)
     share = None if others is None else others / (wall * (os.cpu_count() or 1))
-    return result, {"wall_s": wall, "own_cpu_s": own, "other_processes_cpu_s": others, "other_processes_core_share": share}
+    return result, {
+        "wall_s": wall,
+        "own_cpu_s": own,
+        "other_processes_cpu_s": others,
+        "other_processes_core_share": share,
+    }
 
 
 def train(parts_dir: Path, ranks: int, p: float, epochs: int, run_dir: Path, timeout_s: int) -> None:
     """``bnsgcn-train`` with the issue's model, one thread per rank; a failed run raises."""
-    command = ["bnsgcn-train", "--parts-dir", str(parts_dir), "--procs", str(ranks), "--threads", "1", "--p", f"{p:g}",
-               "--model", "graphsage", "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--norm", "layer",
-               "--dropout", "0.5", "--epochs", str(epochs), "--eval-every", "0", "--out", str(run_dir)]
+    command = [
+        "bnsgcn-train",
+        "--parts-dir",
+        str(parts_dir),
+        "--procs",
+        str(ranks),
+        "--threads",
+        "1",
+        "--p",
+        f"{p:g}",
+        "--model",
+        "graphsage",
+        "--layers",
+        str(LAYERS),
+        "--hidden",
+        str(HIDDEN),
+        "--norm",
+        "layer",
+        "--dropout",
+        "0.5",
+        "--epochs",
+        str(epochs),
+        "--eval-every",
+        "0",
+        "--out",
+        str(run_dir),
+    ]
     print(f"  {shlex.join(command)}", file=sys.stderr, flush=True)
     error = execute(command, 1, timeout_s)[1]
     if error is not None:
@@ -527,14 +610,27 @@ def read_run(run_dir: Path) -> list[RunFigures]:
             "other": split["other"],
         }
         moved = sum(per_epoch[f"{way}_{what}"] for way in ("sent", "received") for what in ("features", "gradients"))
-        figures.append(RunFigures(measured, per_epoch["sampled_boundary"], per_epoch["sent_features"], per_epoch["received_gradients"], moved))
+        figures.append(
+            RunFigures(
+                measured,
+                per_epoch["sampled_boundary"],
+                per_epoch["sent_features"],
+                per_epoch["received_gradients"],
+                moved,
+            )
+        )
     return figures
 
 
 def row(phase: str, measured: float, floor_s: float) -> dict:
     """A line of the table: measured and floor seconds, their ratio (None for a floor of 0), the excess."""
-    return {"phase": phase, "measured_s": measured, "floor_s": floor_s, "ratio": measured / floor_s if floor_s > 0 else None,
-            "above_floor_s": measured - floor_s}
+    return {
+        "phase": phase,
+        "measured_s": measured,
+        "floor_s": floor_s,
+        "ratio": measured / floor_s if floor_s > 0 else None,
+        "above_floor_s": measured - floor_s,
+    }
 
 
 def compare(graphs: list[RankGraph], runs: list[RunFigures], roofline: dict) -> dict:
@@ -542,9 +638,16 @@ def compare(graphs: list[RankGraph], runs: list[RunFigures], roofline: dict) -> 
     per_rank = []
     for graph, run in zip(graphs, runs):
         rank_floor = floor(graph, run, roofline)
-        per_rank.append({"rank": graph.rank, "measured_s": run.measured_s, "floor_s": rank_floor["seconds"],
-                         "floor_parts": rank_floor["parts"], "sampled_boundary": run.sampled_boundary,
-                         "sampled_entries": rank_floor["sampled_entries"]})
+        per_rank.append(
+            {
+                "rank": graph.rank,
+                "measured_s": run.measured_s,
+                "floor_s": rank_floor["seconds"],
+                "floor_parts": rank_floor["parts"],
+                "sampled_boundary": run.sampled_boundary,
+                "sampled_entries": rank_floor["sampled_entries"],
+            }
+        )
     slowest = max(per_rank, key=lambda r: sum(r["measured_s"].values()))
     table = [row(phase, slowest["measured_s"][phase], slowest["floor_s"][phase]) for phase in PHASES]
     epoch = row("epoch", sum(r["measured_s"] for r in table), sum(r["floor_s"] for r in table))
@@ -588,49 +691,88 @@ def work_amount(part: dict) -> str:
 def render(document: dict) -> str:
     """The roofline and, per p, the slowest rank's phases against their floors (markdown)."""
     rooflines = document["rooflines"]
-    lines = [f"{document['date']}, {document['machine']['cpu_model']}, {document['machine']['cores']} cores; "
-             f"roofline on {rooflines[0]['threads']} thread, measured before the first run and after each", "",
-             "| product | rows x d_in -> d_out | " + " | ".join(f"GFLOP/s ({i + 1})" for i in range(len(rooflines))) + " |",
-             "|---|---|" + "---|" * len(rooflines)]
-    lines += [f"| {g['kind']} | {g['rows']} x {g['d_in']} -> {g['d_out']} | " + " | ".join(f"{r['gemm'][i]['flop_per_s'] / 1e9:.1f}" for r in rooflines) + " |"
-              for i, g in enumerate(rooflines[0]["gemm"])]
-    lines += [f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | " + " | ".join(f"{r['gather'][i]['bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |"
-              for i, g in enumerate(rooflines[0]["gather"])]
-    lines += ["| copy | 256 MiB | " + " | ".join(f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |", "",
-              "other processes used " + ", ".join(format_share(r["machine_use"]["other_processes_core_share"]) for r in rooflines)
-              + " of the cores during these measurements", ""]
+    lines = [
+        f"{document['date']}, {document['machine']['cpu_model']}, {document['machine']['cores']} cores; "
+        f"roofline on {rooflines[0]['threads']} thread, measured before the first run and after each",
+        "",
+        "| product | rows x d_in -> d_out | " + " | ".join(f"GFLOP/s ({i + 1})" for i in range(len(rooflines))) + " |",
+        "|---|---|" + "---|" * len(rooflines),
+    ]
+    lines += [
+        f"| {g['kind']} | {g['rows']} x {g['d_in']} -> {g['d_out']} | "
+        + " | ".join(f"{r['gemm'][i]['flop_per_s'] / 1e9:.1f}" for r in rooflines)
+        + " |"
+        for i, g in enumerate(rooflines[0]["gemm"])
+    ]
+    lines += [
+        f"| gather, width {g['width']} | {g['entries']} random rows of {g['rows']} | "
+        + " | ".join(f"{r['gather'][i]['bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines)
+        + " |"
+        for i, g in enumerate(rooflines[0]["gather"])
+    ]
+    lines += [
+        "| copy | 256 MiB | " + " | ".join(f"{r['copy_bytes_per_s'] / 1e9:.1f} GB/s" for r in rooflines) + " |",
+        "",
+        "other processes used "
+        + ", ".join(format_share(r["machine_use"]["other_processes_core_share"]) for r in rooflines)
+        + " of the cores during these measurements",
+        "",
+    ]
     for run in document["runs"]:
         round_note = f", round {run['round']}" if document["config"]["rounds"] > 1 else ""
-        lines += [f"p = {run['p']:g}{round_note}, rank {run['slowest_rank']} (the slowest); floor from the roofline measured before and after the run "
-                  f"(rates differ by up to {100 * run['roofline']['rate_spread']:.0f}% between them):", "",
-                  "| phase | measured (s) | floor (s) | ratio | above floor (s) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} | {r['above_floor_s']:.3f} |"
-                  for r in run["phases"] + [run["epoch"]]]
+        lines += [
+            f"p = {run['p']:g}{round_note}, rank {run['slowest_rank']} (the slowest); floor from the roofline measured before and after the run "
+            f"(rates differ by up to {100 * run['roofline']['rate_spread']:.0f}% between them):",
+            "",
+            "| phase | measured (s) | floor (s) | ratio | above floor (s) |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} | {r['above_floor_s']:.3f} |"
+            for r in run["phases"] + [run["epoch"]]
+        ]
         verdict = "met" if run["target_met"] else "not met"
         busy = run["epoch_with_ranks_busy"]
         job, strict = run["job_epoch"], run["epoch_against_fastest"]
-        lines += ["", f"target epoch <= {TARGET_RATIO} x floor: the job's epoch (metrics.jsonl: the slowest rank's, median) "
-                  f"{job['measured_s']:.3f} s against the largest rank floor {job['floor_s']:.3f} s: {verdict} ({format_ratio(job['ratio'])}); "
-                  f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; "
-                  f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
-                  f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): {format_ratio(strict['ratio'])}; "
-                  f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile", "",
-                  f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
-                  f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
-                  "on the ranks' cores, inside the measured compute (the floor counts no communication)", "",
-                  f"peak RSS per rank: {' / '.join(f'{m:,.0f}' for m in run['peak_rss_mib'])} MiB"
-                  + ("" if run["peak_target_mib"] is None else
-                     f"; target <= {run['peak_target_mib']:,} MiB: {'met' if run['peak_target_met'] else 'not met'}"), "",
-                  "| floor part | work | floor (s) |", "|---|---|---|"]
+        lines += [
+            "",
+            f"target epoch <= {TARGET_RATIO} x floor: the job's epoch (metrics.jsonl: the slowest rank's, median) "
+            f"{job['measured_s']:.3f} s against the largest rank floor {job['floor_s']:.3f} s: {verdict} ({format_ratio(job['ratio'])}); "
+            f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; "
+            f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
+            f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): {format_ratio(strict['ratio'])}; "
+            f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile",
+            "",
+            f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
+            f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
+            "on the ranks' cores, inside the measured compute (the floor counts no communication)",
+            "",
+            f"peak RSS per rank: {' / '.join(f'{m:,.0f}' for m in run['peak_rss_mib'])} MiB"
+            + (
+                ""
+                if run["peak_target_mib"] is None
+                else f"; target <= {run['peak_target_mib']:,} MiB: {'met' if run['peak_target_met'] else 'not met'}"
+            ),
+            "",
+            "| floor part | work | floor (s) |",
+            "|---|---|---|",
+        ]
         parts = next(r for r in run["ranks"] if r["rank"] == run["slowest_rank"])["floor_parts"]
         lines += [f"| {name} | {work_amount(part)} | {part['seconds']:.3f} |" for name, part in parts.items()] + [""]
     result = document["verdict"]
-    lines += [f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch) "
-              "(and, for the record, against the faster of the two measurements around each run):", "",
-              "| p | ratio per round | median | target | against the faster measurement | its median |", "|---|---|---|---|---|---|"]
-    lines += [f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
-              f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
-              f"{format_ratio(v['median_ratio_against_fastest'])} |" for v in result["by_p"]]
+    lines += [
+        f"target epoch <= {result['target_ratio']} x floor, the median ratio of each p's rounds (the job's epoch) "
+        "(and, for the record, against the faster of the two measurements around each run):",
+        "",
+        "| p | ratio per round | median | target | against the faster measurement | its median |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
+        f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
+        f"{format_ratio(v['median_ratio_against_fastest'])} |"
+        for v in result["by_p"]
+    ]
     lines += ["", f"every p: {'met' if result['target_met'] else 'not met'}", ""]
     return "\n".join(lines)
 
@@ -642,14 +784,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python benchmarks/roofline.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts-dir", type=Path, help="partition set to train on (one rank per part)")
     parser.add_argument("--quick", action="store_true", help=f"partition and train a tiny graph instead ({QUICK_SPEC})")
-    parser.add_argument("--p", type=float, nargs="+", default=[1.0, 0.1], help="sampling probabilities to run (default 1 0.1)")
+    parser.add_argument(
+        "--p", type=float, nargs="+", default=[1.0, 0.1], help="sampling probabilities to run (default 1 0.1)"
+    )
     parser.add_argument("--epochs", type=int, help="epochs per run, odd and >= 5 (default 9; --quick 5)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every --p this many times over, alternating; the verdict per p is the median ratio (default 1)")
-    parser.add_argument("--repeat", type=int, help="timed runs per roofline measurement, best kept (default 10; --quick 2)")
-    parser.add_argument("--work", type=Path, help="keep partition sets and run directories here (default: a temporary directory)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every --p this many times over, alternating; the verdict per p is the median ratio (default 1)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, help="timed runs per roofline measurement, best kept (default 10; --quick 2)"
+    )
+    parser.add_argument(
+        "--work", type=Path, help="keep partition sets and run directories here (default: a temporary directory)"
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a training run may take (default 1800)")
-    parser.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/roofline.json; --quick: roofline-quick.json)")
+    parser.add_argument(
+        "--out", type=Path, help="result JSON (default benchmarks/results/roofline.json; --quick: roofline-quick.json)"
+    )
     args = parser.parse_args(argv)
     if args.quick == (args.parts_dir is not None):
         raise UserError("pass either --parts-dir PARTS or --quick")
@@ -657,8 +811,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.epochs = args.epochs if args.epochs is not None else (5 if args.quick else 9)
     args.repeat = args.repeat if args.repeat is not None else (2 if args.quick else 10)
     if args.epochs < 5 or args.epochs % 2 == 0:
-        raise UserError(f"--epochs {args.epochs}: pass an odd number, 5 or more (the report's medians leave out 2 warm-up epochs; "
-                        "over an odd count each is one epoch's figure, and the last epoch, which evaluates, is never it)")
+        raise UserError(
+            f"--epochs {args.epochs}: pass an odd number, 5 or more (the report's medians leave out 2 warm-up epochs; "
+            "over an odd count each is one epoch's figure, and the last epoch, which evaluates, is never it)"
+        )
     if args.repeat < 1 or args.timeout < 1 or args.rounds < 1:
         raise UserError("--repeat, --rounds and --timeout must be >= 1; pass a positive number")
     bad = [p for p in args.p if not 0 < p <= 1]
@@ -670,7 +826,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def partition_quick(work: Path, timeout_s: int) -> Path:
     """The quick graph in two parts, made by ``bnsgcn-partition``."""
     parts_dir = work / "parts-quick"
-    error = execute(["bnsgcn-partition", QUICK_SPEC, "--parts", "2", "--out", str(parts_dir), "--force"], 1, timeout_s)[1]
+    error = execute(["bnsgcn-partition", QUICK_SPEC, "--parts", "2", "--out", str(parts_dir), "--force"], 1, timeout_s)[
+        1
+    ]
     if error is not None:
         raise RuntimeError(f"bnsgcn-partition failed:\n{error}")
     return parts_dir
@@ -694,17 +852,29 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         warm_up_dir = work / f"warm-up-p{p:g}"
         shutil.rmtree(warm_up_dir, ignore_errors=True)
         train(parts_dir, len(graphs), p, 1, warm_up_dir, args.timeout)
-    print("measuring the roofline (one thread; alone, then with the other ranks' cores busy) ...", file=sys.stderr, flush=True)
+    print(
+        "measuring the roofline (one thread; alone, then with the other ranks' cores busy) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     alone, with_busy = measure()
     print("measuring an all-to-all's CPU cost ...", file=sys.stderr, flush=True)
     exchange = exchange_cpu_cost(len(graphs), EXCHANGE_PROBE_BYTES, args.repeat, args.timeout)
     rooflines, rooflines_busy = [alone], [with_busy]
     runs = []
     for round_index, p in ((k, p) for k in range(args.rounds) for p in args.p):
-        print(f"training at p = {p:g}" + (f", round {round_index + 1} of {args.rounds}" if args.rounds > 1 else "") + " ...", file=sys.stderr, flush=True)
+        print(
+            f"training at p = {p:g}"
+            + (f", round {round_index + 1} of {args.rounds}" if args.rounds > 1 else "")
+            + " ...",
+            file=sys.stderr,
+            flush=True,
+        )
         run_dir = work / (f"run-p{p:g}" + (f"-round{round_index + 1}" if round_index else ""))
         shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation
-        _, machine_use = with_machine_use(lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN)
+        _, machine_use = with_machine_use(
+            lambda: train(parts_dir, len(graphs), p, args.epochs, run_dir, args.timeout), resource.RUSAGE_CHILDREN
+        )
         figures = read_train_run(run_dir)
         print("measuring the roofline again ...", file=sys.stderr, flush=True)
         alone, with_busy = measure()
@@ -717,22 +887,48 @@ def run_benchmark(args: argparse.Namespace, work: Path, command: str) -> dict:
         moved = measured[compared["slowest_rank"]].moved_bytes
         peak_mib = [b / MiB for b in figures["peak_rss_bytes"]]
         peak_target = None if args.quick else PEAK_TARGET_MIB.get(p)
-        runs.append({"p": p, "round": round_index + 1, "run": run_dir.name,
-                     "epoch_wall_s": figures["epoch_time_s"], "job_epoch": job, "target_met": job["ratio"] <= TARGET_RATIO,
-                     "machine_use": machine_use, "peak_rss_mib": peak_mib,
-                     "peak_target_mib": peak_target, "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
-                     "roofline": roofline, "roofline_busy": roofline_busy,
-                     "epoch_with_ranks_busy": job_epoch(compare(graphs, measured, roofline_busy), figures["epoch_time_s"]),
-                     "epoch_against_fastest": job_epoch(compare(graphs, measured, fastest(rooflines[-2], rooflines[-1])), figures["epoch_time_s"]),
-                     "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]}, **compared})
+        runs.append(
+            {
+                "p": p,
+                "round": round_index + 1,
+                "run": run_dir.name,
+                "epoch_wall_s": figures["epoch_time_s"],
+                "job_epoch": job,
+                "target_met": job["ratio"] <= TARGET_RATIO,
+                "machine_use": machine_use,
+                "peak_rss_mib": peak_mib,
+                "peak_target_mib": peak_target,
+                "peak_target_met": None if peak_target is None else max(peak_mib) <= peak_target,
+                "roofline": roofline,
+                "roofline_busy": roofline_busy,
+                "epoch_with_ranks_busy": job_epoch(compare(graphs, measured, roofline_busy), figures["epoch_time_s"]),
+                "epoch_against_fastest": job_epoch(
+                    compare(graphs, measured, fastest(rooflines[-2], rooflines[-1])), figures["epoch_time_s"]
+                ),
+                "exchange_cpu": {"moved_bytes": moved, "cpu_s": moved * exchange["cpu_s_per_byte"]},
+                **compared,
+            }
+        )
     return {
         "date": date.today().isoformat(),
         "command": command,
-        "machine": machine() | {"cpu_model": cpu_model(), "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
-                                "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
-        "config": {"parts_dir": str(parts_dir), "quick": args.quick, "ranks": len(graphs), "threads_per_rank": 1,
-                   "model": f"graphsage {LAYERS} x {HIDDEN}, first layer precomputed, layer norm, dropout 0.5",
-                   "epochs": args.epochs, "repeat": args.repeat, "ps": args.p, "rounds": args.rounds},
+        "machine": machine()
+        | {
+            "cpu_model": cpu_model(),
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        },
+        "config": {
+            "parts_dir": str(parts_dir),
+            "quick": args.quick,
+            "ranks": len(graphs),
+            "threads_per_rank": 1,
+            "model": f"graphsage {LAYERS} x {HIDDEN}, first layer precomputed, layer norm, dropout 0.5",
+            "epochs": args.epochs,
+            "repeat": args.repeat,
+            "ps": args.p,
+            "rounds": args.rounds,
+        },
         "target_ratio": TARGET_RATIO,
         "graph": [asdict(g) for g in graphs],
         "rooflines": rooflines,
@@ -752,8 +948,16 @@ def verdict(runs: list[dict], ps: list[float]) -> dict:
         ratios = [run["job_epoch"]["ratio"] for run in runs if run["p"] == p]
         strict = [run["epoch_against_fastest"]["ratio"] for run in runs if run["p"] == p]  # for the record
         median = statistics.median(ratios)
-        by_p.append({"p": p, "ratios": ratios, "median_ratio": median, "target_met": median <= TARGET_RATIO,
-                     "ratios_against_fastest": strict, "median_ratio_against_fastest": statistics.median(strict)})
+        by_p.append(
+            {
+                "p": p,
+                "ratios": ratios,
+                "median_ratio": median,
+                "target_met": median <= TARGET_RATIO,
+                "ratios_against_fastest": strict,
+                "median_ratio_against_fastest": statistics.median(strict),
+            }
+        )
     return {"target_ratio": TARGET_RATIO, "by_p": by_p, "target_met": all(v["target_met"] for v in by_p)}
 
 

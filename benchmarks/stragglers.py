@@ -110,19 +110,40 @@ class Setting:
 
 # The suite's accuracy model and graph (ACCURACY_FLAGS but --eval-every): every layer
 # aggregates every epoch, so each step is a full forward and backward pass.
-MODEL_FLAGS = ("--model", "graphsage", "--layers", "2", "--hidden", "64", "--dropout", "0.2", "--no-precompute", "--lr", "0.01")
+MODEL_FLAGS = (
+    "--model",
+    "graphsage",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--dropout",
+    "0.2",
+    "--no-precompute",
+    "--lr",
+    "0.01",
+)
 FULL = Setting(
-    name="full", graph=ACCURACY, nodes=2, ranks_per_node=4, parts=8, pool_parts=32, link="1gbit",
-    model_flags=MODEL_FLAGS, eval_every=5,
+    name="full",
+    graph=ACCURACY,
+    nodes=2,
+    ranks_per_node=4,
+    parts=8,
+    pool_parts=32,
+    link="1gbit",
+    model_flags=MODEL_FLAGS,
+    eval_every=5,
     delays={0: 0.8, 1: 0.8, 4: 0.8, 2: 0.4, 5: 0.4},  # slow 0, 1, 4; medium 2, 5; fast 3, 6, 7
     # Each run trains for about the baseline's training seconds (~90 s): without the pool and
     # with allreduce every epoch waits for the slowest rank (0.8 s); the decoupled pool modes
     # measured 0.63 (grouped), 0.46 (partial:4), 0.51 (gossip:1), 0.30 (gossip:4) and 0.15 s
     # (partial:2) per epoch here, so they get more epochs in the same time.
-    epochs=100, pool_epochs={"*": 200, "gossip:4": 300, "partial:2": 600},
+    epochs=100,
+    pool_epochs={"*": 200, "gossip:4": 300, "partial:2": 600},
     syncs=("grouped:5", "partial:4", "partial:6", "gossip:1", "gossip:4"),
     pool_syncs=("allreduce", "grouped:5", "grouped:1", "partial:2", "partial:4", "gossip:1", "gossip:4"),
-    baseline_p=(0.0, 0.1), timeout_s=900,
+    baseline_p=(0.0, 0.1),
+    timeout_s=900,
     # 2026-11-24, Xeon (benchmarks/results/stragglers.json, allreduce-s0): the median over its
     # evaluations of the seconds per epoch since the previous one, 0.851 s, less the 0.8 s sleep
     reference_non_delay_s=0.051,
@@ -131,11 +152,34 @@ FULL = Setting(
     pool_eval_every={"partial:2": 30, "gossip:4": 15},
 )
 QUICK = Setting(
-    name="quick", graph="synthetic:nodes=800,degree=20,classes=4,features=16,homophily=0.9,noise=5", nodes=2, ranks_per_node=2,
-    parts=4, pool_parts=8, link="1gbit",
-    model_flags=("--model", "graphsage", "--layers", "2", "--hidden", "16", "--dropout", "0.2", "--no-precompute", "--lr", "0.01"),
-    eval_every=2, delays={0: 0.1, 2: 0.05},  # slow 0 (node 0), medium 2 (node 1), fast 1, 3
-    epochs=10, pool_epochs={"*": 10}, syncs=("partial:2",), pool_syncs=("allreduce", "gossip:1"), baseline_p=(0.0, 0.1), timeout_s=120,
+    name="quick",
+    graph="synthetic:nodes=800,degree=20,classes=4,features=16,homophily=0.9,noise=5",
+    nodes=2,
+    ranks_per_node=2,
+    parts=4,
+    pool_parts=8,
+    link="1gbit",
+    model_flags=(
+        "--model",
+        "graphsage",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--dropout",
+        "0.2",
+        "--no-precompute",
+        "--lr",
+        "0.01",
+    ),
+    eval_every=2,
+    delays={0: 0.1, 2: 0.05},  # slow 0 (node 0), medium 2 (node 1), fast 1, 3
+    epochs=10,
+    pool_epochs={"*": 10},
+    syncs=("partial:2",),
+    pool_syncs=("allreduce", "gossip:1"),
+    baseline_p=(0.0, 0.1),
+    timeout_s=120,
     reference_non_delay_s=0.05,
 )
 
@@ -177,16 +221,37 @@ def plan(setting: Setting, seeds: tuple[int, ...], scale: float = 1.0) -> list[P
     per_step = delay_spec(setting.delays, scale * setting.ranks / setting.pool_parts)
     runs = []
     for seed in seeds:
-        runs += [Planned(label("allreduce", False, p), "allreduce", False, p, setting.epochs, seed, per_epoch, setting.parts, setting.eval_every)
-                 for p in setting.baseline_p]
-        runs += [Planned(label(s, False), s, False, 0.0, setting.epochs, seed, per_epoch, setting.parts, setting.eval_every) for s in setting.syncs]
+        runs += [
+            Planned(
+                label("allreduce", False, p),
+                "allreduce",
+                False,
+                p,
+                setting.epochs,
+                seed,
+                per_epoch,
+                setting.parts,
+                setting.eval_every,
+            )
+            for p in setting.baseline_p
+        ]
+        runs += [
+            Planned(label(s, False), s, False, 0.0, setting.epochs, seed, per_epoch, setting.parts, setting.eval_every)
+            for s in setting.syncs
+        ]
         # allreduce with the pool steps in lockstep rounds: its epochs take as long as without
         for s in setting.pool_syncs:
             epochs = setting.epochs if s == "allreduce" else setting.pool_epochs.get(s, setting.pool_epochs["*"])
-            runs.append(Planned(label(s, True), s, True, 0.0, epochs, seed, per_step, setting.pool_parts, setting.eval_every))
+            runs.append(
+                Planned(label(s, True), s, True, 0.0, epochs, seed, per_step, setting.pool_parts, setting.eval_every)
+            )
             if s in setting.pool_eval_every:
                 every = setting.pool_eval_every[s]
-                runs.append(Planned(f"{label(s, True)}-e{every}", s, True, 0.0, epochs, seed, per_step, setting.pool_parts, every))
+                runs.append(
+                    Planned(
+                        f"{label(s, True)}-e{every}", s, True, 0.0, epochs, seed, per_step, setting.pool_parts, every
+                    )
+                )
     return runs
 
 
@@ -199,13 +264,33 @@ def parts_dir(work: Path, setting: Setting, parts: int) -> Path:
 
 def partition_command(work: Path, setting: Setting, parts: int) -> list[str]:
     """METIS into ``parts``; bnsgcn-partition keeps an identical set already at --out."""
-    return ["bnsgcn-partition", setting.graph, "--parts", str(parts), "--method", "metis", "--out", str(parts_dir(work, setting, parts))]
+    return [
+        "bnsgcn-partition",
+        setting.graph,
+        "--parts",
+        str(parts),
+        "--method",
+        "metis",
+        "--out",
+        str(parts_dir(work, setting, parts)),
+    ]
 
 
 def train_flags(work: Path, setting: Setting, run: Planned) -> tuple[str, ...]:
     """The bnsgcn-train flags of a run beyond where it runs (after the cluster's own, so they win)."""
-    flags = ["--parts-dir", str(parts_dir(work, setting, run.parts)), *setting.model_flags, "--eval-every", str(run.eval_every),
-             "--seed", str(run.seed), "--sync", run.sync, "--inject-delay", run.delay_spec]
+    flags = [
+        "--parts-dir",
+        str(parts_dir(work, setting, run.parts)),
+        *setting.model_flags,
+        "--eval-every",
+        str(run.eval_every),
+        "--seed",
+        str(run.seed),
+        "--sync",
+        run.sync,
+        "--inject-delay",
+        run.delay_spec,
+    ]
     return tuple(flags + (["--work-pool"] if run.pool else []))
 
 
@@ -221,8 +306,21 @@ class ClusterRun(cluster.Run):
 
 
 def cluster_run(work: Path, setting: Setting, run: Planned) -> ClusterRun:
-    return ClusterRun(setting.graph, None, "metis", setting.nodes, setting.ranks_per_node, setting.link, run.p, "auto", "graphsage",
-                      run.epochs, threads_per_rank(setting), train_flags(work, setting, run), label=run.name)
+    return ClusterRun(
+        setting.graph,
+        None,
+        "metis",
+        setting.nodes,
+        setting.ranks_per_node,
+        setting.link,
+        run.p,
+        "auto",
+        "graphsage",
+        run.epochs,
+        threads_per_rank(setting),
+        train_flags(work, setting, run),
+        label=run.name,
+    )
 
 
 def threads_per_rank(setting: Setting) -> int:
@@ -231,8 +329,20 @@ def threads_per_rank(setting: Setting) -> int:
 
 def loopback_command(work: Path, setting: Setting, run: Planned) -> list[str]:
     """``--no-cluster``: one launcher starting every rank on this machine."""
-    return ["bnsgcn-train", "--procs", str(setting.ranks), "--threads", str(threads_per_rank(setting)), "--p", f"{run.p:g}",
-            "--epochs", str(run.epochs), "--out", str(work / "runs" / run.name), *train_flags(work, setting, run)]
+    return [
+        "bnsgcn-train",
+        "--procs",
+        str(setting.ranks),
+        "--threads",
+        str(threads_per_rank(setting)),
+        "--p",
+        f"{run.p:g}",
+        "--epochs",
+        str(run.epochs),
+        "--out",
+        str(work / "runs" / run.name),
+        *train_flags(work, setting, run),
+    ]
 
 
 def read_records(run_dir: Path) -> tuple[list[dict], dict]:
@@ -249,7 +359,9 @@ def training_curve(epochs: list[dict]) -> list[tuple[int, float, float, float]]:
     for record in epochs:
         evaluation += record["time"].get("evaluation", 0.0)
         if record.get("val_score") is not None:
-            curve.append((record["epoch"], record["time"]["elapsed"] - evaluation, record["val_score"], record["test_score"]))
+            curve.append(
+                (record["epoch"], record["time"]["elapsed"] - evaluation, record["val_score"], record["test_score"])
+            )
     return curve
 
 
@@ -266,7 +378,17 @@ def non_delay_seconds(epochs: list[dict], delays: dict[int, float]) -> float:
 
 def calibration_run(setting: Setting) -> Planned:
     """The baseline with the setting's fixed delays, evaluated once at its end."""
-    return Planned("calibration", "allreduce", False, 0.0, CALIBRATION_EPOCHS, 0, delay_spec(setting.delays), setting.parts, CALIBRATION_EPOCHS)
+    return Planned(
+        "calibration",
+        "allreduce",
+        False,
+        0.0,
+        CALIBRATION_EPOCHS,
+        0,
+        delay_spec(setting.delays),
+        setting.parts,
+        CALIBRATION_EPOCHS,
+    )
 
 
 def read_run(run_dir: Path, run: Planned) -> dict:
@@ -322,11 +444,19 @@ def attach_targets(document: dict) -> None:
             run["time_to_accuracy"]["seconds_after_first_epoch"] = reached[1] - run["first_epoch_s"]
     for run in runs:
         mine, base = run.get("time_to_accuracy"), baselines.get(run["seed"], {}).get("time_to_accuracy")
-        run["time_ratio"] = mine["seconds"] / base["seconds"] if mine and base and mine["seconds"] is not None and base["seconds"] else None
+        run["time_ratio"] = (
+            mine["seconds"] / base["seconds"]
+            if mine and base and mine["seconds"] is not None and base["seconds"]
+            else None
+        )
         after = lambda t: t and t.get("seconds_after_first_epoch")  # noqa: E731
-        run["time_ratio_after_first_epoch"] = after(mine) / after(base) if after(mine) is not None and after(base) else None
+        run["time_ratio_after_first_epoch"] = (
+            after(mine) / after(base) if after(mine) is not None and after(base) else None
+        )
     document["target"] = target_verdict(runs)
-    document["target_after_first_epoch"] = target_verdict(runs, "time_ratio_after_first_epoch", "seconds_after_first_epoch")
+    document["target_after_first_epoch"] = target_verdict(
+        runs, "time_ratio_after_first_epoch", "seconds_after_first_epoch"
+    )
 
 
 def target_verdict(runs: list[dict], ratio: str = "time_ratio", seconds: str = "seconds") -> dict:
@@ -341,13 +471,19 @@ def target_verdict(runs: list[dict], ratio: str = "time_ratio", seconds: str = "
         modes = [r for r in runs if r["seed"] == seed and r["sync"] != "allreduce"]
         reached = [r for r in modes if r.get(ratio) is not None]
         best = min(reached, key=lambda r: r[ratio]) if reached else None
-        out["per_seed"].append({
-            "seed": seed, "baseline_best_val": base["best_val_score"], "target_val": base["time_to_accuracy"]["target"],
-            "baseline_seconds": base["time_to_accuracy"][seconds], "best_mode": best and best["label"],
-            "best_seconds": best and best["time_to_accuracy"][seconds], "best_ratio": best and best[ratio],
-            "met": bool(best and best[ratio] <= TARGET_RATIO),
-            "not_reached": [r["label"] for r in modes if r.get(ratio) is None],
-        })
+        out["per_seed"].append(
+            {
+                "seed": seed,
+                "baseline_best_val": base["best_val_score"],
+                "target_val": base["time_to_accuracy"]["target"],
+                "baseline_seconds": base["time_to_accuracy"][seconds],
+                "best_mode": best and best["label"],
+                "best_seconds": best and best["time_to_accuracy"][seconds],
+                "best_ratio": best and best[ratio],
+                "met": bool(best and best[ratio] <= TARGET_RATIO),
+                "not_reached": [r["label"] for r in modes if r.get(ratio) is None],
+            }
+        )
     out["met"] = bool(out["per_seed"]) and all(s["met"] for s in out["per_seed"])
     return out
 
@@ -359,16 +495,30 @@ def load_document(out: Path) -> dict:
         return {"runs": []}
 
 
-def benchmark(setting: Setting, make_runs: Callable[[float], list[Planned]], work: Path, out: Path, command: str, use_cluster: bool,
-              relative: bool = False) -> dict:
+def benchmark(
+    setting: Setting,
+    make_runs: Callable[[float], list[Planned]],
+    work: Path,
+    out: Path,
+    command: str,
+    use_cluster: bool,
+    relative: bool = False,
+) -> dict:
     """Partition, (build the cluster and measure its link,) (calibrate the delays,) run
     ``make_runs(scale)`` (the delays times ``scale``: 1 unless ``relative``); the document."""
     earlier = load_document(out)
     document = earlier | {
-        "benchmark": "stragglers", "preset": setting.name, "date": date.today().isoformat(), "machine": machine(),
-        "setting": asdict(setting) | {"ranks": setting.ranks, "cluster": use_cluster}, "relative_delays": relative,
+        "benchmark": "stragglers",
+        "preset": setting.name,
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "setting": asdict(setting) | {"ranks": setting.ranks, "cluster": use_cluster},
+        "relative_delays": relative,
     }
-    if (earlier.get("preset"), earlier.get("relative_delays", False)) != (setting.name, relative):  # records of another plan
+    if (earlier.get("preset"), earlier.get("relative_delays", False)) != (
+        setting.name,
+        relative,
+    ):  # records of another plan
         document["runs"], document["commands"] = [], []
         document.pop("delay_scale", None)
     document["commands"] = document.get("commands", []) + [command]  # every invocation whose records are here
@@ -391,17 +541,31 @@ def benchmark(setting: Setting, make_runs: Callable[[float], list[Planned]], wor
             raise UserError(f"the calibration job failed: {error.splitlines()[-1]}")
         measured = non_delay_seconds(read_records(work / "runs" / run.name)[0], setting.delays)
         if measured <= 0:
-            raise UserError(f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); run it again on a quieter machine")
+            raise UserError(
+                f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); run it again on a quieter machine"
+            )
         measured_scale = measured / setting.reference_non_delay_s
-        document["delay_scale"] = {"reference_non_delay_s": setting.reference_non_delay_s, "measured_non_delay_s": measured, "scale": measured_scale,
-                                   "calibration_epochs": run.epochs}
-        print(f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {measured_scale:.3f}",
-              file=sys.stderr, flush=True)
+        document["delay_scale"] = {
+            "reference_non_delay_s": setting.reference_non_delay_s,
+            "measured_non_delay_s": measured,
+            "scale": measured_scale,
+            "calibration_epochs": run.epochs,
+        }
+        print(
+            f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {measured_scale:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         return measured_scale
 
     def one(i: int, total: int, run: Planned, execute_run) -> None:
         print(f"[{i}/{total}] {run.name}", file=sys.stderr, flush=True)
-        record = asdict(run) | {"name": run.name, "date": date.today().isoformat(), "ranks": setting.ranks, "delays_per_epoch": {str(k): v * scale for k, v in setting.delays.items()}}
+        record = asdict(run) | {
+            "name": run.name,
+            "date": date.today().isoformat(),
+            "ranks": setting.ranks,
+            "delays_per_epoch": {str(k): v * scale for k, v in setting.delays.items()},
+        }
         shutil.rmtree(work / "runs" / run.name, ignore_errors=True)
         start = time.perf_counter()
         error, extra = execute_run(run)
@@ -416,8 +580,12 @@ def benchmark(setting: Setting, make_runs: Callable[[float], list[Planned]], wor
             record["error"] = error
             print(f"  failed: {error}", file=sys.stderr)
         else:
-            print(f"  best val {record['best_val_score']:.4f}, test {record['test_score']:.4f}, training {record['training_s']:.1f} s, "
-                  f"wall {record['wall_s']:.1f} s, steps {record['steps_per_rank']}", file=sys.stderr, flush=True)
+            print(
+                f"  best val {record['best_val_score']:.4f}, test {record['test_score']:.4f}, training {record['training_s']:.1f} s, "
+                f"wall {record['wall_s']:.1f} s, steps {record['steps_per_rank']}",
+                file=sys.stderr,
+                flush=True,
+            )
         records[run.name] = record
         document["runs"] = list(records.values())
         attach_targets(document)
@@ -432,9 +600,12 @@ def benchmark(setting: Setting, make_runs: Callable[[float], list[Planned]], wor
             one(i, len(runs), run, execute_run)
 
     if not use_cluster:
+
         def on_loopback(run: Planned) -> tuple[str | None, dict]:
             command_ = loopback_command(work, setting, run)
-            return execute(command_, threads_per_rank(setting), int(setting.timeout_s))[1], {"command": shlex.join(command_)}
+            return execute(command_, threads_per_rank(setting), int(setting.timeout_s))[1], {
+                "command": shlex.join(command_)
+            }
 
         run_all(on_loopback)
         return document
@@ -475,18 +646,56 @@ def _names(records: list[dict]) -> list[str]:
 
 
 def run_table(records: list[dict]) -> str:
-    head = ["run", "--sync", "pool", "parts", "p", "epochs", "best val", "test at best val", "final val",
-            "to target: epoch / training s", "/ allreduce", "after epoch 1: s / ratio", "epoch 1 s", "training s", "s per epoch", "wall s",
-            "steps per rank (0-7)"]
+    head = [
+        "run",
+        "--sync",
+        "pool",
+        "parts",
+        "p",
+        "epochs",
+        "best val",
+        "test at best val",
+        "final val",
+        "to target: epoch / training s",
+        "/ allreduce",
+        "after epoch 1: s / ratio",
+        "epoch 1 s",
+        "training s",
+        "s per epoch",
+        "wall s",
+        "steps per rank (0-7)",
+    ]
     rows = []
     for name, r in zip(_names(records), records):
         reached = r.get("time_to_accuracy") or {}
-        to = "-" if not reached else (f"{reached['epoch']} / {reached['seconds']:.1f}" if reached["seconds"] is not None else "not reached")
+        to = (
+            "-"
+            if not reached
+            else (f"{reached['epoch']} / {reached['seconds']:.1f}" if reached["seconds"] is not None else "not reached")
+        )
         after = reached.get("seconds_after_first_epoch")
         after = "-" if after is None else f"{after:.1f} / {_s(r.get('time_ratio_after_first_epoch'), 2)}"
-        rows.append([name, f"`{r['sync']}`", "yes" if r["pool"] else "no", str(r["parts"]), f"{r['p']:g}", str(r["epochs"]),
-                     f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}", f"{r['final_val_score']:.4f}", to, _s(r.get("time_ratio"), 2),
-                     after, _s(r.get("first_epoch_s")), _s(r["training_s"]), _s(r["training_s_per_epoch"], 3), _s(r["wall_s"]), _steps(r)])
+        rows.append(
+            [
+                name,
+                f"`{r['sync']}`",
+                "yes" if r["pool"] else "no",
+                str(r["parts"]),
+                f"{r['p']:g}",
+                str(r["epochs"]),
+                f"{r['best_val_score']:.4f}",
+                f"{r['test_score']:.4f}",
+                f"{r['final_val_score']:.4f}",
+                to,
+                _s(r.get("time_ratio"), 2),
+                after,
+                _s(r.get("first_epoch_s")),
+                _s(r["training_s"]),
+                _s(r["training_s_per_epoch"], 3),
+                _s(r["wall_s"]),
+                _steps(r),
+            ]
+        )
     return _table(head, rows)
 
 
@@ -494,7 +703,13 @@ def wait_table(records: list[dict]) -> str:
     """Seconds per rank over the run: injected delay, parameter sync, idle at gathering points."""
     head = ["run", "injected delay s (rank 0-7)", "sync s (rank 0-7)", "idle s (rank 0-7)"]
     fmt = lambda values: " ".join(f"{v:.1f}" for v in values)  # noqa: E731
-    return _table(head, [[name, fmt(r["injected_delay_s_per_rank"]), fmt(r["sync_s_per_rank"]), fmt(r["idle_s_per_rank"])] for name, r in zip(_names(records), records)])
+    return _table(
+        head,
+        [
+            [name, fmt(r["injected_delay_s_per_rank"]), fmt(r["sync_s_per_rank"]), fmt(r["idle_s_per_rank"])]
+            for name, r in zip(_names(records), records)
+        ],
+    )
 
 
 def curve_table(records: list[dict], step_s: float = 10.0) -> str:
@@ -518,10 +733,15 @@ def verdict_lines(target: dict) -> list[str]:
     out = []
     for s in target.get("per_seed", []):
         met = "**met**" if s["met"] else "**not met**"
-        best = (f"best {s['best_mode']}: {s['best_seconds']:.1f} s / {s['baseline_seconds']:.1f} s = {s['best_ratio']:.2f}"
-                if s["best_mode"] else "no mode reached the target")
-        out.append(f"seed {s['seed']}: target val {s['target_val']:.4f} (allreduce p = 0 best {s['baseline_best_val']:.4f} - 0.01); "
-                   f"{best} (<= {TARGET_RATIO}: {met}); not reached: {', '.join(s['not_reached']) or 'none'}")
+        best = (
+            f"best {s['best_mode']}: {s['best_seconds']:.1f} s / {s['baseline_seconds']:.1f} s = {s['best_ratio']:.2f}"
+            if s["best_mode"]
+            else "no mode reached the target"
+        )
+        out.append(
+            f"seed {s['seed']}: target val {s['target_val']:.4f} (allreduce p = 0 best {s['baseline_best_val']:.4f} - 0.01); "
+            f"{best} (<= {TARGET_RATIO}: {met}); not reached: {', '.join(s['not_reached']) or 'none'}"
+        )
     return out
 
 
@@ -529,22 +749,42 @@ def delays_text(document: dict) -> str:
     delays, scaling = document["setting"]["delays"], document.get("delay_scale")
     if not scaling:
         return str(delays)
-    return (f"{ {k: round(v * scaling['scale'], 3) for k, v in delays.items()} } ({delays} x {scaling['scale']:.3f}, --relative-delays: this machine "
-            f"adds {scaling['measured_non_delay_s']:.3f} s per epoch to the delays, the reference machine {scaling['reference_non_delay_s']:g} s)")
+    return (
+        f"{ {k: round(v * scaling['scale'], 3) for k, v in delays.items()} } ({delays} x {scaling['scale']:.3f}, --relative-delays: this machine "
+        f"adds {scaling['measured_non_delay_s']:.3f} s per epoch to the delays, the reference machine {scaling['reference_non_delay_s']:g} s)"
+    )
 
 
 def render(document: dict) -> str:
     setting = document["setting"]
     ok = [r for r in document["runs"] if "error" not in r]
     link = document.get("link")
-    where = (f"{setting['nodes']} nodes x {setting['ranks_per_node']} ranks, link {link['requested']} (measured {link['measured_gbit_s']:.2f} Gbit/s)"
-             if setting["cluster"] and link else f"{setting['ranks']} ranks on loopback (--no-cluster)")
+    where = (
+        f"{setting['nodes']} nodes x {setting['ranks_per_node']} ranks, link {link['requested']} (measured {link['measured_gbit_s']:.2f} Gbit/s)"
+        if setting["cluster"] and link
+        else f"{setting['ranks']} ranks on loopback (--no-cluster)"
+    )
     commands = "; ".join(f"`{c}`" for c in document.get("commands", []))
-    out = [f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores; {where}; graph `{setting['graph']}`; "
-           f"delays per epoch {delays_text(document)}; commands: {commands}", ""]
+    out = [
+        f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores; {where}; graph `{setting['graph']}`; "
+        f"delays per epoch {delays_text(document)}; commands: {commands}",
+        "",
+    ]
     if ok:
-        out += ["Runs (training s: time.elapsed minus evaluation; time to target against allreduce p = 0 of the same seed):", "", run_table(ok), "",
-                "Per rank over the run (seconds):", "", wait_table(ok), "", "Validation score against training seconds (the last evaluation by then):", "", curve_table(ok), ""]
+        out += [
+            "Runs (training s: time.elapsed minus evaluation; time to target against allreduce p = 0 of the same seed):",
+            "",
+            run_table(ok),
+            "",
+            "Per rank over the run (seconds):",
+            "",
+            wait_table(ok),
+            "",
+            "Validation score against training seconds (the last evaluation by then):",
+            "",
+            curve_table(ok),
+            "",
+        ]
     out += [f"Failed: {r['name']}: {r['error']}" for r in document["runs"] if "error" in r]
     if document.get("target"):
         out += [f"Target: {TARGET_TEXT}:", ""] + [f"* {line}" for line in verdict_lines(document["target"])]
@@ -566,19 +806,30 @@ def figure(document: dict, stem: Path) -> Path | None:
         return None
     fig = Figure(figsize=(9, 5), layout="constrained")
     ax = fig.subplots()
-    colours = [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray", "olive", "cyan")] + ["black", "gold", "navy", "lime"]
+    colours = [
+        f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray", "olive", "cyan")
+    ] + ["black", "gold", "navy", "lime"]
     for i, r in enumerate(ok):
         xs, ys = [s for _, s, _ in r["val_curve"]], [v for _, _, v in r["val_curve"]]
         style = "-" if r["pool"] else "--"
-        ax.plot(xs, ys, style, color=colours[i % len(colours)], marker="." if r["sync"] == "allreduce" else None, label=r["name"],
-                linewidth=2.5 if r["label"] == BASELINE else 1.2)
+        ax.plot(
+            xs,
+            ys,
+            style,
+            color=colours[i % len(colours)],
+            marker="." if r["sync"] == "allreduce" else None,
+            label=r["name"],
+            linewidth=2.5 if r["label"] == BASELINE else 1.2,
+        )
     targets = {r["time_to_accuracy"]["target"] for r in ok if r.get("time_to_accuracy")}
     for t in targets:
         ax.axhline(t, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("training seconds (time.elapsed minus evaluation)")
     ax.set_ylabel("validation score")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"stragglers ({document['preset']}): dashed without the pool, solid with it; dotted: target", fontsize="small")
+    ax.set_title(
+        f"stragglers ({document['preset']}): dashed without the pool, solid with it; dotted: target", fontsize="small"
+    )
     ax.legend(fontsize="x-small", ncol=2)
     path = stem.with_name(stem.name + "-curves.png")
     fig.savefig(path, dpi=100)
@@ -589,17 +840,41 @@ def figure(document: dict, stem: Path) -> Path | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.stragglers", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.stragglers", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--quick", action="store_true", help="tiny graph, 2 x 2 ranks, 10 epochs (a smoke test)")
-    parser.add_argument("--no-cluster", action="store_true", help="run each job as one bnsgcn-train --procs N on loopback (no namespaces, no root)")
-    parser.add_argument("--relative-delays", action="store_true",
-                        help="scale the delays to this machine by a calibration job (see the module); default: the fixed seconds")
+    parser.add_argument(
+        "--no-cluster",
+        action="store_true",
+        help="run each job as one bnsgcn-train --procs N on loopback (no namespaces, no root)",
+    )
+    parser.add_argument(
+        "--relative-delays",
+        action="store_true",
+        help="scale the delays to this machine by a calibration job (see the module); default: the fixed seconds",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds (default 0)")
-    parser.add_argument("--only", action="append", metavar="LABEL", help="run only this label (repeatable); other records in --out are kept")
-    parser.add_argument("--work", type=Path, help="partition sets, run directories, logs (default <tmp>/bnsgcn-stragglers-<preset>, reused)")
-    parser.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/stragglers.json; --quick: <tmp>/bnsgcn-stragglers-quick.json)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="LABEL",
+        help="run only this label (repeatable); other records in --out are kept",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="partition sets, run directories, logs (default <tmp>/bnsgcn-stragglers-<preset>, reused)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="result JSON (default benchmarks/results/stragglers.json; --quick: <tmp>/bnsgcn-stragglers-quick.json)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figure, and exit")
+    parser.add_argument(
+        "--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figure, and exit"
+    )
     return parser
 
 
@@ -612,12 +887,19 @@ def main(argv: list[str] | None = None) -> int:
     labels = [r.label for r in plan(setting, tuple(args.seeds))]
     unknown = set(args.only or ()) - set(labels)
     if unknown:
-        print(f"error: --only {sorted(unknown)[0]} is not a run of the plan; labels: {', '.join(dict.fromkeys(labels))}", file=sys.stderr)
+        print(
+            f"error: --only {sorted(unknown)[0]} is not a run of the plan; labels: {', '.join(dict.fromkeys(labels))}",
+            file=sys.stderr,
+        )
         return 2
     chosen = lambda scale: [r for r in plan(setting, tuple(args.seeds), scale) if not args.only or r.label in args.only]  # noqa: E731
     runs = chosen(1.0)
     work = args.work or Path(tempfile.gettempdir()) / f"bnsgcn-stragglers-{setting.name}"
-    out = args.out or (Path(tempfile.gettempdir()) / "bnsgcn-stragglers-quick.json" if args.quick else REPO / "benchmarks" / "results" / "stragglers.json")
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "bnsgcn-stragglers-quick.json"
+        if args.quick
+        else REPO / "benchmarks" / "results" / "stragglers.json"
+    )
     if args.dry_run:
         for parts in dict.fromkeys(r.parts for r in runs):
             print(shlex.join(partition_command(work, setting, parts)))
@@ -632,7 +914,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(shlex.join(cluster.in_node(made, i, cluster.node_command(work, job, made, i))))
         return 0
     command = "python -m benchmarks.stragglers " + shlex.join(argv)
-    document = cluster.on_cluster(lambda: benchmark(setting, chosen, work, out, command, not args.no_cluster, args.relative_delays), namespaces=not args.no_cluster)
+    document = cluster.on_cluster(
+        lambda: benchmark(setting, chosen, work, out, command, not args.no_cluster, args.relative_delays),
+        namespaces=not args.no_cluster,
+    )
     if isinstance(document, int):
         return document
     print(render(document))

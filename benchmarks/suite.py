@@ -111,9 +111,13 @@ PRESETS = {
         # 4 ranks on the 50k graph only: each launch costs 5-10 s of start-up here. The
         # 200k graph in 8 parts (boundary/inner 6.7) is where the memory target is read.
         scaling={"graphsage": {"20k": (2,), "50k": (2, 4), "200k": (8,)}, "gat": {"20k": (2,)}},
-        ps=PS, epochs=5,
+        ps=PS,
+        epochs=5,
         reference={"graphsage": "50k"},
-        accuracy_graph="acc", accuracy_ranks=8, accuracy_epochs=100, accuracy_flags=ACCURACY_FLAGS,
+        accuracy_graph="acc",
+        accuracy_ranks=8,
+        accuracy_epochs=100,
+        accuracy_flags=ACCURACY_FLAGS,
         timeout_s=600,
     ),
     # The kernels issue's reference case alone: GraphSAGE 3 x 128 on the 200,000-node,
@@ -122,9 +126,13 @@ PRESETS = {
         name="target",
         graphs={"200k": "synthetic:nodes=200000,degree=25,classes=16,features=128"},
         scaling={"graphsage": {"200k": (2,)}},
-        ps=(1.0, 0.1), epochs=5,
+        ps=(1.0, 0.1),
+        epochs=5,
         reference={"graphsage": "200k"},
-        accuracy_graph=None, accuracy_ranks=0, accuracy_epochs=0, accuracy_flags=(),
+        accuracy_graph=None,
+        accuracy_ranks=0,
+        accuracy_epochs=0,
+        accuracy_flags=(),
         timeout_s=1800,
     ),
     "full": Preset(
@@ -136,9 +144,13 @@ PRESETS = {
             "acc": ACCURACY,
         },
         scaling={model: {"20k": (2, 4), "50k": (2, 4), "200k": (2, 4)} for model in MODELS},
-        ps=PS, epochs=8,
+        ps=PS,
+        epochs=8,
         reference={"graphsage": "200k", "gat": "50k"},
-        accuracy_graph="acc", accuracy_ranks=8, accuracy_epochs=300, accuracy_flags=ACCURACY_FLAGS,
+        accuracy_graph="acc",
+        accuracy_ranks=8,
+        accuracy_epochs=300,
+        accuracy_flags=ACCURACY_FLAGS,
         timeout_s=3600,
     ),
 }
@@ -175,27 +187,81 @@ def plan(preset: Preset, cores: int = 2) -> list[Step]:
     """Every process of the suite, in the order it runs (baselines first, accuracy last)."""
     steps: list[Step] = []
 
-    def train(group: str, graph: str, spec: str, ranks: int, model: str, p: float, epochs: int, flags: tuple[str, ...] = ()) -> Step:
+    def train(
+        group: str, graph: str, spec: str, ranks: int, model: str, p: float, epochs: int, flags: tuple[str, ...] = ()
+    ) -> Step:
         name = f"{group}-{model}-{graph}-r{ranks}-p{p:g}"
-        return Step(name, "train", group, graph, spec, ranks, model, p, threads_per_rank(ranks, cores), epochs, flags=flags or ("--model", model, *size_flags(model), "--eval-every", "0"))
+        return Step(
+            name,
+            "train",
+            group,
+            graph,
+            spec,
+            ranks,
+            model,
+            p,
+            threads_per_rank(ranks, cores),
+            epochs,
+            flags=flags or ("--model", model, *size_flags(model), "--eval-every", "0"),
+        )
 
     used = {(m, r) for m, graphs in preset.scaling.items() for ranks in graphs.values() for r in ranks}
     steps += [train("baseline", "tiny", TINY, r, m, 1.0, 2) for m, r in sorted(used)]
     for model, graphs in preset.scaling.items():
         for graph, ranks_list in graphs.items():
             for ranks in ranks_list:
-                steps += [train("scaling", graph, preset.graphs[graph], ranks, model, p, preset.epochs) for p in preset.ps]
+                steps += [
+                    train("scaling", graph, preset.graphs[graph], ranks, model, p, preset.epochs) for p in preset.ps
+                ]
     for model, graph in preset.reference.items():
         spec = preset.graphs[graph]
         steps.append(train("reference", graph, spec, 1, model, 1.0, preset.epochs))
         variants = ("csr", "edge_index") if model == "graphsage" else ("edge_index",)
-        steps += [Step(f"reference-{model}-{graph}-pyg-{v}", "pyg", "reference", graph, spec, 1, model, threads=cores, epochs=preset.epochs, variant=v) for v in variants]
-        steps.append(Step(f"reference-{model}-{graph}-bound", "bound", "reference", graph, spec, 1, model, threads=cores, epochs=preset.epochs))
+        steps += [
+            Step(
+                f"reference-{model}-{graph}-pyg-{v}",
+                "pyg",
+                "reference",
+                graph,
+                spec,
+                1,
+                model,
+                threads=cores,
+                epochs=preset.epochs,
+                variant=v,
+            )
+            for v in variants
+        ]
+        steps.append(
+            Step(
+                f"reference-{model}-{graph}-bound",
+                "bound",
+                "reference",
+                graph,
+                spec,
+                1,
+                model,
+                threads=cores,
+                epochs=preset.epochs,
+            )
+        )
     if preset.accuracy_graph is None:
         return steps
     spec = preset.graphs[preset.accuracy_graph]
     flags = ("--model", "graphsage") + preset.accuracy_flags
-    steps += [train("accuracy", preset.accuracy_graph, spec, preset.accuracy_ranks, "graphsage", p, preset.accuracy_epochs, flags) for p in preset.ps]
+    steps += [
+        train(
+            "accuracy",
+            preset.accuracy_graph,
+            spec,
+            preset.accuracy_ranks,
+            "graphsage",
+            p,
+            preset.accuracy_epochs,
+            flags,
+        )
+        for p in preset.ps
+    ]
     return steps
 
 
@@ -205,18 +271,56 @@ def parts_dir(work: Path, step: Step) -> Path:
 
 
 def partition_command(work: Path, step: Step) -> list[str]:
-    return ["bnsgcn-partition", step.spec, "--parts", str(step.ranks), "--method", "random", "--out", str(parts_dir(work, step))]
+    return [
+        "bnsgcn-partition",
+        step.spec,
+        "--parts",
+        str(step.ranks),
+        "--method",
+        "random",
+        "--out",
+        str(parts_dir(work, step)),
+    ]
 
 
 def step_command(work: Path, step: Step) -> list[str]:
     parts = str(parts_dir(work, step))
     if step.kind == "train":
-        return ["bnsgcn-train", "--parts-dir", parts, "--procs", str(step.ranks), "--threads", str(step.threads), "--p", f"{step.p:g}",
-                "--epochs", str(step.epochs), *step.flags, "--out", str(work / "runs" / step.name)]
+        return [
+            "bnsgcn-train",
+            "--parts-dir",
+            parts,
+            "--procs",
+            str(step.ranks),
+            "--threads",
+            str(step.threads),
+            "--p",
+            f"{step.p:g}",
+            "--epochs",
+            str(step.epochs),
+            *step.flags,
+            "--out",
+            str(work / "runs" / step.name),
+        ]
     module = "benchmarks.pyg_reference" if step.kind == "pyg" else "benchmarks.compute_bound"
     variant = ("--variant", step.variant) if step.variant else ()
-    return ["python", "-m", module, "--parts-dir", parts, "--model", step.model, *size_flags(step.model), *variant,
-            "--threads", str(step.threads), "--epochs", str(step.epochs), "--json", str(work / "runs" / f"{step.name}.json")]
+    return [
+        "python",
+        "-m",
+        module,
+        "--parts-dir",
+        parts,
+        "--model",
+        step.model,
+        *size_flags(step.model),
+        *variant,
+        "--threads",
+        str(step.threads),
+        "--epochs",
+        str(step.epochs),
+        "--json",
+        str(work / "runs" / f"{step.name}.json"),
+    ]
 
 
 def executable(command: list[str]) -> list[str]:
@@ -229,7 +333,10 @@ def executable(command: list[str]) -> list[str]:
 
 def execute(command: list[str], threads: int, timeout_s: int) -> tuple[float, str | None]:
     """Run a command; (wall seconds, None) or (wall seconds, the tail of its output on failure)."""
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    env = os.environ | {
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
     start = time.perf_counter()
     try:
         done = subprocess.run(executable(command), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -280,8 +387,12 @@ def machine() -> dict:
     except OSError:
         memory_gib = None
     return {
-        "cores": os.cpu_count(), "memory_gib": memory_gib, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
     }
 
 
@@ -291,9 +402,18 @@ def _max(values: list[float]) -> float:
 
 def attach_baselines(results: list[dict]) -> None:
     """Peak memory above the tiny-graph run of the same command (same model and ranks, so same threads)."""
-    base = {(r["model"], r["ranks"]): _max(r["peak_rss_bytes"]) for r in results if r["group"] == "baseline" and "peak_rss_bytes" in r}
+    base = {
+        (r["model"], r["ranks"]): _max(r["peak_rss_bytes"])
+        for r in results
+        if r["group"] == "baseline" and "peak_rss_bytes" in r
+    }
     for r in results:
-        if r["kind"] == "train" and r["group"] != "baseline" and "peak_rss_bytes" in r and (r["model"], r["ranks"]) in base:
+        if (
+            r["kind"] == "train"
+            and r["group"] != "baseline"
+            and "peak_rss_bytes" in r
+            and (r["model"], r["ranks"]) in base
+        ):
             r["memory_above_baseline_bytes"] = _max(r["peak_rss_bytes"]) - base[(r["model"], r["ranks"])]
 
 
@@ -309,7 +429,14 @@ def targets(results: list[dict], preset: Preset) -> dict:
     if engine and pyg:
         best = min(pyg, key=lambda r: r["epoch_time_s"])
         ratio = engine["epoch_time_s"] / best["epoch_time_s"]
-        out["one_rank_vs_pyg"] = {"graph": graph, "ratio": ratio, "met": ratio <= 1.0, "engine_s": engine["epoch_time_s"], "pyg_s": best["epoch_time_s"], "pyg_variant": best["variant"]}
+        out["one_rank_vs_pyg"] = {
+            "graph": graph,
+            "ratio": ratio,
+            "met": ratio <= 1.0,
+            "engine_s": engine["epoch_time_s"],
+            "pyg_s": best["epoch_time_s"],
+            "pyg_variant": best["variant"],
+        }
 
     sage = preset.scaling.get("graphsage", {})
     if sage:
@@ -322,37 +449,58 @@ def targets(results: list[dict], preset: Preset) -> dict:
             if full and run:
                 exchanged = run["bytes_per_epoch"] - run["bytes_per_epoch_by_kind"]["selections"]
                 realised = run["sampled_boundary_per_epoch"] / full["sampled_boundary_per_epoch"]
-                rows.append({
-                    "p": p, "ratio": run["bytes_per_epoch"] / (p * full["bytes_per_epoch"]),
-                    "ratio_without_selections": exchanged / (p * full["bytes_per_epoch"]),
-                    "ratio_to_realised_sampling": exchanged / (realised * full["bytes_per_epoch"]),
-                })
+                rows.append(
+                    {
+                        "p": p,
+                        "ratio": run["bytes_per_epoch"] / (p * full["bytes_per_epoch"]),
+                        "ratio_without_selections": exchanged / (p * full["bytes_per_epoch"]),
+                        "ratio_to_realised_sampling": exchanged / (realised * full["bytes_per_epoch"]),
+                    }
+                )
         if rows:
-            out["bytes_vs_p"] = {"graph": largest, "ranks": fewest, "per_p": rows, "met": all(abs(r["ratio"] - 1) <= 0.05 for r in rows)}
+            out["bytes_vs_p"] = {
+                "graph": largest,
+                "ranks": fewest,
+                "per_p": rows,
+                "met": all(abs(r["ratio"] - 1) <= 0.05 for r in rows),
+            }
 
         one, full = (find(group="scaling", model="graphsage", graph=largest, ranks=most, p=p) for p in (0.01, 1.0))
         if one and full:
+
             def measures(r: dict) -> dict[str, float]:
                 m = {"peak_rss": _max(r["peak_rss_bytes"])}
                 if "memory_above_baseline_bytes" in r:
                     m["above_baseline"] = r["memory_above_baseline_bytes"]
-                m["partition_plus_activations"] = _max([a + b for a, b in zip(r["partition_bytes"], r["saved_activation_bytes"])])
+                m["partition_plus_activations"] = _max(
+                    [a + b for a, b in zip(r["partition_bytes"], r["saved_activation_bytes"])]
+                )
                 m["saved_activations"] = _max(r["saved_activation_bytes"])
                 return m
 
             low, high = measures(one), measures(full)
             ratios = {k: low[k] / high[k] for k in low if k in high and high[k] > 0}
             out["memory_p001_vs_p1"] = {
-                "graph": largest, "ranks": most, "boundary_inner_max": full["boundary_inner_ratio"]["max"],
-                "boundary_inner_min": full["boundary_inner_ratio"]["min"], "graph_qualifies": full["boundary_inner_ratio"]["min"] >= 1.0,
-                "p001_bytes": low, "p1_bytes": high, "ratios": ratios, "met_by": [k for k, v in ratios.items() if v <= 0.6],
+                "graph": largest,
+                "ranks": most,
+                "boundary_inner_max": full["boundary_inner_ratio"]["max"],
+                "boundary_inner_min": full["boundary_inner_ratio"]["min"],
+                "graph_qualifies": full["boundary_inner_ratio"]["min"] >= 1.0,
+                "p001_bytes": low,
+                "p1_bytes": high,
+                "ratios": ratios,
+                "met_by": [k for k, v in ratios.items() if v <= 0.6],
             }
 
     scaling = [r for r in ok if r["group"] == "scaling"]
     if scaling:
         worst = max(scaling, key=lambda r: r["sampling_share"])
-        out["sampling_share"] = {"max": worst["sampling_share"], "at": worst["name"], "met": worst["sampling_share"] < 0.10,
-                                 "per_p_max": {f"{p:g}": _max([r["sampling_share"] for r in scaling if r["p"] == p]) for p in preset.ps}}
+        out["sampling_share"] = {
+            "max": worst["sampling_share"],
+            "at": worst["name"],
+            "met": worst["sampling_share"] < 0.10,
+            "per_p_max": {f"{p:g}": _max([r["sampling_share"] for r in scaling if r["p"] == p]) for p in preset.ps},
+        }
     return out
 
 
@@ -380,28 +528,77 @@ def render(document: dict) -> str:
     """The markdown tables of a suite result."""
     results = [r for r in document["runs"] if "error" not in r]
     scaling = [r for r in results if r["group"] == "scaling"]
-    out = [f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores, "
-           f"{document['machine']['memory_gib']:.0f} GiB, GPU: {document['machine']['gpu'] or 'none'}; command: `{document['command']}`", ""]
-    head = ["model", "graph", "ranks", "p", "epoch (s)", "sampling (s)", "exchange (s)", "compute (s)", "idle (s)", "MiB sent/epoch",
-            "peak RSS/rank (MiB)", "above baseline (MiB)", "saved act. (MiB)", "bnd/inner"]
-    rows = [[r["model"], r["graph"], str(r["ranks"]), f"{r['p']:g}", f"{r['epoch_time_s']:.3f}", f"{r['time_s']['sampling']:.3f}",
-             f"{r['time_s']['exchange']:.3f}", f"{r['time_s']['compute']:.3f}", f"{r['time_s']['idle']:.3f}", f"{r['bytes_per_epoch'] / MiB:.2f}",
-             f"{_max(r['peak_rss_bytes']) / MiB:.0f}", f"{r.get('memory_above_baseline_bytes', float('nan')) / MiB:.0f}",
-             f"{_max(r['saved_activation_bytes']) / MiB:.1f}", f"{r['boundary_inner_ratio']['max']:.2f}"] for r in scaling]
+    out = [
+        f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores, "
+        f"{document['machine']['memory_gib']:.0f} GiB, GPU: {document['machine']['gpu'] or 'none'}; command: `{document['command']}`",
+        "",
+    ]
+    head = [
+        "model",
+        "graph",
+        "ranks",
+        "p",
+        "epoch (s)",
+        "sampling (s)",
+        "exchange (s)",
+        "compute (s)",
+        "idle (s)",
+        "MiB sent/epoch",
+        "peak RSS/rank (MiB)",
+        "above baseline (MiB)",
+        "saved act. (MiB)",
+        "bnd/inner",
+    ]
+    rows = [
+        [
+            r["model"],
+            r["graph"],
+            str(r["ranks"]),
+            f"{r['p']:g}",
+            f"{r['epoch_time_s']:.3f}",
+            f"{r['time_s']['sampling']:.3f}",
+            f"{r['time_s']['exchange']:.3f}",
+            f"{r['time_s']['compute']:.3f}",
+            f"{r['time_s']['idle']:.3f}",
+            f"{r['bytes_per_epoch'] / MiB:.2f}",
+            f"{_max(r['peak_rss_bytes']) / MiB:.0f}",
+            f"{r.get('memory_above_baseline_bytes', float('nan')) / MiB:.0f}",
+            f"{_max(r['saved_activation_bytes']) / MiB:.1f}",
+            f"{r['boundary_inner_ratio']['max']:.2f}",
+        ]
+        for r in scaling
+    ]
     out += ["Scaling (slowest rank's median epoch; bytes sent by all ranks):", "", _table(head, rows), ""]
 
     reference = [r for r in results if r["group"] == "reference"]
     rows = []
     for r in reference:
-        what = {"train": f"bnsgcn, 1 rank, p = 1, {r['threads']} threads", "pyg": f"PyTorch Geometric ({r.get('variant')}), {r['threads']} threads",
-                "bound": f"compute-only bound, {r['threads']} threads"}[r["kind"]]
+        what = {
+            "train": f"bnsgcn, 1 rank, p = 1, {r['threads']} threads",
+            "pyg": f"PyTorch Geometric ({r.get('variant')}), {r['threads']} threads",
+            "bound": f"compute-only bound, {r['threads']} threads",
+        }[r["kind"]]
         peak = _max(r["peak_rss_bytes"]) if r["kind"] == "train" else r.get("peak_rss_bytes")
         rows.append([r["model"], r["graph"], what, f"{r['epoch_time_s']:.3f}", f"{peak / MiB:.0f}" if peak else "-"])
-    out += ["One process, same threads:", "", _table(["model", "graph", "run", "epoch (s)", "peak RSS (MiB)"], rows), ""]
+    out += [
+        "One process, same threads:",
+        "",
+        _table(["model", "graph", "run", "epoch (s)", "peak RSS (MiB)"], rows),
+        "",
+    ]
 
     accuracy = [r for r in results if r["group"] == "accuracy"]
     if accuracy:
-        rows = [[f"{r['p']:g}", f"{r['best_val_score']:.4f}", f"{r['test_score']:.4f}", f"{r['epoch_time_s']:.3f}", time_to_accuracy_cell(r)] for r in accuracy]
+        rows = [
+            [
+                f"{r['p']:g}",
+                f"{r['best_val_score']:.4f}",
+                f"{r['test_score']:.4f}",
+                f"{r['epoch_time_s']:.3f}",
+                time_to_accuracy_cell(r),
+            ]
+            for r in accuracy
+        ]
         head = ["p", "best val", "test at best val", "epoch (s)", "to 99% of p = 1's best val: epochs / s"]
         out += ["Accuracy against p:", "", _table(head, rows), ""]
 
@@ -409,18 +606,34 @@ def render(document: dict) -> str:
     t = document["targets"]
     if "one_rank_vs_pyg" in t:
         x = t["one_rank_vs_pyg"]
-        rows.append([TARGETS["one_rank_vs_pyg"], f"{x['ratio']:.2f} ({x['engine_s']:.3f} s vs {x['pyg_s']:.3f} s, PyG {x['pyg_variant']})", _met(x["met"])])
+        rows.append(
+            [
+                TARGETS["one_rank_vs_pyg"],
+                f"{x['ratio']:.2f} ({x['engine_s']:.3f} s vs {x['pyg_s']:.3f} s, PyG {x['pyg_variant']})",
+                _met(x["met"]),
+            ]
+        )
     if "bytes_vs_p" in t:
         x = t["bytes_vs_p"]
-        detail = "; ".join(f"p={r['p']:g}: {r['ratio']:.3f} (without selections {r['ratio_without_selections']:.3f})" for r in x["per_p"])
+        detail = "; ".join(
+            f"p={r['p']:g}: {r['ratio']:.3f} (without selections {r['ratio_without_selections']:.3f})"
+            for r in x["per_p"]
+        )
         rows.append([TARGETS["bytes_vs_p"], detail, _met(x["met"])])
     if "memory_p001_vs_p1" in t:
         x = t["memory_p001_vs_p1"]
-        detail = "; ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in x["ratios"].items()) + f" (boundary/inner {x['boundary_inner_min']:.2f}-{x['boundary_inner_max']:.2f})"
-        rows.append([TARGETS["memory_p001_vs_p1"], detail, "met by " + ", ".join(x["met_by"]) if x["met_by"] else "missed"])
+        detail = (
+            "; ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in x["ratios"].items())
+            + f" (boundary/inner {x['boundary_inner_min']:.2f}-{x['boundary_inner_max']:.2f})"
+        )
+        rows.append(
+            [TARGETS["memory_p001_vs_p1"], detail, "met by " + ", ".join(x["met_by"]) if x["met_by"] else "missed"]
+        )
     if "sampling_share" in t:
         x = t["sampling_share"]
-        detail = f"max {x['max']:.3f} at {x['at']}; per p: " + ", ".join(f"{p}: {v:.3f}" for p, v in x["per_p_max"].items())
+        detail = f"max {x['max']:.3f} at {x['at']}; per p: " + ", ".join(
+            f"{p}: {v:.3f}" for p, v in x["per_p_max"].items()
+        )
         rows.append([TARGETS["sampling_share"], detail, _met(x["met"])])
     out += ["Targets:", "", _table(["target", "measured", ""], rows)]
     failed = [r["name"] for r in document["runs"] if "error" in r]
@@ -459,8 +672,14 @@ def figures(document: dict, stem: Path) -> list[Path]:
             series.setdefault(f"{r['model']} {r['graph']} x{r['ranks']}", []).append(r)
         fig = Figure(figsize=(14, 4.5), layout="constrained")
         axes = fig.subplots(1, 3)
-        panels = (("epoch time (s)", lambda r: r["epoch_time_s"]), ("MiB sent per epoch (symlog)", lambda r: r["bytes_per_epoch"] / MiB),
-                  ("peak RSS per rank above baseline (MiB)", lambda r: r.get("memory_above_baseline_bytes", float("nan")) / MiB))
+        panels = (
+            ("epoch time (s)", lambda r: r["epoch_time_s"]),
+            ("MiB sent per epoch (symlog)", lambda r: r["bytes_per_epoch"] / MiB),
+            (
+                "peak RSS per rank above baseline (MiB)",
+                lambda r: r.get("memory_above_baseline_bytes", float("nan")) / MiB,
+            ),
+        )
         ps = sorted({r["p"] for r in scaling}, reverse=True)
         for ax, (label, value) in zip(axes, panels):
             for name, runs in series.items():
@@ -491,13 +710,22 @@ def figures(document: dict, stem: Path) -> list[Path]:
 def run_suite(preset: Preset, work: Path, out: Path, command: str, only: set[str]) -> dict:
     cores = os.cpu_count() or 1
     steps = [s for s in plan(preset, cores) if not only or s.group in only]
-    document = {"preset": preset.name, "date": date.today().isoformat(), "command": command, "machine": machine(), "runs": [], "targets": {}}
+    document = {
+        "preset": preset.name,
+        "date": date.today().isoformat(),
+        "command": command,
+        "machine": machine(),
+        "runs": [],
+        "targets": {},
+    }
     try:
         import torch_geometric
 
         document["machine"]["torch_geometric"] = torch_geometric.__version__
     except ImportError:
-        print("note: the PyTorch Geometric reference needs pip install bnsgcn[bench]; its runs will fail", file=sys.stderr)
+        print(
+            "note: the PyTorch Geometric reference needs pip install bnsgcn[bench]; its runs will fail", file=sys.stderr
+        )
     partitioned: dict[Path, str | None] = {}
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.name}", file=sys.stderr, flush=True)
@@ -512,7 +740,9 @@ def run_suite(preset: Preset, work: Path, out: Path, command: str, only: set[str
             wall, error = execute(step_command(work, step), step.threads, preset.timeout_s)
             entry["wall_s"] = wall
             if error is None:
-                entry |= read_train_run(run) if step.kind == "train" else json.loads(run.with_suffix(".json").read_text())
+                entry |= (
+                    read_train_run(run) if step.kind == "train" else json.loads(run.with_suffix(".json").read_text())
+                )
         if error is not None:
             entry["error"] = error
             print(f"  failed: {error}", file=sys.stderr)
@@ -528,10 +758,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/suite-<preset>.json)")
-    parser.add_argument("--work", type=Path, help="partition sets and run directories (default: <tmp>/bnsgcn-suite-<preset>, reused)")
-    parser.add_argument("--only", action="append", choices=("baseline", "scaling", "reference", "accuracy"), help="run only this group (repeatable)")
+    parser.add_argument(
+        "--work", type=Path, help="partition sets and run directories (default: <tmp>/bnsgcn-suite-<preset>, reused)"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("baseline", "scaling", "reference", "accuracy"),
+        help="run only this group (repeatable)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
-    parser.add_argument("--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figures, and exit")
+    parser.add_argument(
+        "--render", type=Path, metavar="RESULT", help="print the tables of a saved result, redraw its figures, and exit"
+    )
     args = parser.parse_args(argv)
     if args.render:
         document = json.loads(args.render.read_text())

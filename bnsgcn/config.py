@@ -34,7 +34,9 @@ class TrainConfig:
     """Every training flag (``--name-with-dashes`` for ``name_with_underscores``), as
     :func:`add_arguments` offers it and docs/cli.md documents it."""
 
-    parts_dir: Path | None = _setting(None, "partition set written by bnsgcn-partition", type=Path, shown="found: the one set that matches")
+    parts_dir: Path | None = _setting(
+        None, "partition set written by bnsgcn-partition", type=Path, shown="found: the one set that matches"
+    )
     p: float = _setting(0.1, "boundary node sampling probability, 0 <= p <= 1")
     model: str = _setting("graphsage", "graphsage | gat | gcn")
     layers: int = _setting(3, "number of GNN layers")
@@ -47,7 +49,11 @@ class TrainConfig:
     epochs: int = _setting(200, "training epochs")
     seed: int = _setting(0, "seed of parameters, sampling and dropout")
     eval_every: int = _setting(10, "evaluate every N epochs, 0 = only at the end")
-    precompute: bool | None = _setting(None, "precompute the first layer's full-graph aggregation (--no-precompute: aggregate it every epoch)", shown="on for graphsage and gcn")
+    precompute: bool | None = _setting(
+        None,
+        "precompute the first layer's full-graph aggregation (--no-precompute: aggregate it every epoch)",
+        shown="on for graphsage and gcn",
+    )
     inductive: bool = _setting(False, "train on the subgraph induced by training nodes, evaluate on the full graph")
     nonzero_rows: str = _setting(
         "auto",
@@ -55,8 +61,13 @@ class TrainConfig:
         "entries, and their gradients at those entries alone: exact, about a third of the bytes after dropout 0.5, for "
         "a pass more over the rows each way; auto = on when the job spans several machines",
     )
-    remat: bool = _setting(False, "recompute each layer's aggregation (and the norm before it) in backward instead of keeping it: less memory, about one more forward pass of compute")
-    device: str = _setting("auto", "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per local rank")
+    remat: bool = _setting(
+        False,
+        "recompute each layer's aggregation (and the norm before it) in backward instead of keeping it: less memory, about one more forward pass of compute",
+    )
+    device: str = _setting(
+        "auto", "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per local rank"
+    )
     threads: int | None = _setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
     out: Path | None = _setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")
     log_json: Path | None = _setting(None, "also write the per-epoch JSON lines here", type=Path, shown="none")
@@ -68,7 +79,8 @@ class TrainConfig:
         "machines and some machine runs several ranks",
     )
     compress: str = _setting(
-        "none", "none | fp16 | bf16 | int8 | int4: how boundary rows cross the network (int8/int4: per-row range, stochastic rounding; compute stays float32)"
+        "none",
+        "none | fp16 | bf16 | int8 | int4: how boundary rows cross the network (int8/int4: per-row range, stochastic rounding; compute stays float32)",
     )
     compress_grad: str | None = _setting(None, "the same for the rows' gradients", type=str, shown="as --compress")
     staleness: int = _setting(
@@ -78,15 +90,20 @@ class TrainConfig:
         "epoch and evaluation stay exact",
     )
     stale_smoothing: float | None = _setting(
-        None, "with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the stale rows and gradients",
-        type=float, metavar="GAMMA", shown="off",
+        None,
+        "with --staleness 1: use exponential averages (weight GAMMA on the old average, 0 < GAMMA < 1) of the stale rows and gradients",
+        type=float,
+        metavar="GAMMA",
+        shown="off",
     )
     max_lag: int | None = _setting(
         None,
         "with --staleness 1: a rank may run up to S epochs ahead of the ranks it shares boundary nodes with; rows and "
         "gradients travel point to point as their owners produce them, each rank uses the newest version at most S epochs "
         "old and waits only when it would exceed that (1: --staleness 1 itself); pair it with a decoupled --sync",
-        type=int, metavar="S", shown="off",
+        type=int,
+        metavar="S",
+        shown="off",
     )
     sync: str = _setting(
         "allreduce",
@@ -98,18 +115,25 @@ class TrainConfig:
         metavar="MODE",
     )
     inject_delay: str | None = _setting(
-        None, "testing aid: rank R sleeps S seconds every epoch, or a seeded uniform draw in LO-HI, e.g. 0:0.8,3:0.4-0.45; "
-        "reported as injected delay, not compute", type=str, metavar="R:S[,R:LO-HI...]", shown="none",
+        None,
+        "testing aid: rank R sleeps S seconds every epoch, or a seeded uniform draw in LO-HI, e.g. 0:0.8,3:0.4-0.45; "
+        "reported as injected delay, not compute",
+        type=str,
+        metavar="R:S[,R:LO-HI...]",
+        shown="none",
     )
     work_pool: bool = _setting(
-        False, "with --p 0 and a partition set of more parts than ranks: ranks take partitions from a pool in the job's "
+        False,
+        "with --p 0 and a partition set of more parts than ranks: ranks take partitions from a pool in the job's "
         "store, one step each, until every partition had its step this epoch; fast ranks take more (--inject-delay "
         "then delays every step)",
     )
     bucket_mb: float = _setting(1.0, "MiB of parameter gradients per all-reduce bucket")
     eval_buffer_mib: float = _setting(
-        32.0, "MiB an evaluation exchange buffer (sent or received rows) may take: evaluation exchanges and aggregates each "
-        "layer's boundary rows in column slices that fit (at least one column); 0 = every row of a layer at once", metavar="MIB",
+        32.0,
+        "MiB an evaluation exchange buffer (sent or received rows) may take: evaluation exchanges and aggregates each "
+        "layer's boundary rows in column slices that fit (at least one column); 0 = every row of a layer at once",
+        metavar="MIB",
     )
     checkpoint_every: int = _setting(0, "save a checkpoint every N epochs (0: never)")
     keep_checkpoints: int = _setting(2, "checkpoints kept")
@@ -143,7 +167,14 @@ class TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
         directory, device type, threads and the gradients' wire format (what config.json
         records; the run resolves ``exchange`` itself)."""
-        return replace(self, precompute=self.use_precompute, out=run_dir, device=device, threads=threads, compress_grad=self.grad_wire_format)
+        return replace(
+            self,
+            precompute=self.use_precompute,
+            out=run_dir,
+            device=device,
+            threads=threads,
+            compress_grad=self.grad_wire_format,
+        )
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -181,7 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif isinstance(f.default, bool):
             group.add_argument(flag_name(f.name), action="store_true", help=f.metadata["help"])
         else:
-            group.add_argument(flag_name(f.name), default=f.default, **({"type": type(f.default)} | options), help=help_text)
+            group.add_argument(
+                flag_name(f.name), default=f.default, **({"type": type(f.default)} | options), help=help_text
+            )
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -205,7 +238,13 @@ def validate(c: TrainConfig) -> None:
         raise UserError(f"unknown model {c.model!r}; choose --model from {', '.join(MODELS)}")
     if c.norm not in NORMS:
         raise UserError(f"unknown norm {c.norm!r}; choose --norm from {', '.join(NORMS)}")
-    for flag, value in (("--layers", c.layers), ("--hidden", c.hidden), ("--heads", c.heads), ("--epochs", c.epochs), ("--keep-checkpoints", c.keep_checkpoints)):
+    for flag, value in (
+        ("--layers", c.layers),
+        ("--hidden", c.hidden),
+        ("--heads", c.heads),
+        ("--epochs", c.epochs),
+        ("--keep-checkpoints", c.keep_checkpoints),
+    ):
         if value < 1:
             raise UserError(f"{flag} {value} must be a positive integer")
     for flag, value in (("--eval-every", c.eval_every), ("--checkpoint-every", c.checkpoint_every)):
@@ -233,12 +272,18 @@ def validate(c: TrainConfig) -> None:
         if value not in WIRE_FORMATS:
             raise UserError(f"unknown wire format {flag} {value}; choose from {', '.join(WIRE_FORMATS)}")
     if c.staleness not in (0, 1):
-        raise UserError(f"--staleness {c.staleness} is not supported; choose --staleness 0 (exact exchange) or 1 (one epoch stale)")
+        raise UserError(
+            f"--staleness {c.staleness} is not supported; choose --staleness 0 (exact exchange) or 1 (one epoch stale)"
+        )
     if c.stale_smoothing is not None:
         if not 0.0 < c.stale_smoothing < 1.0:
-            raise UserError(f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9")
+            raise UserError(
+                f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9"
+            )
         if c.staleness != 1:
-            raise UserError("--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing")
+            raise UserError(
+                "--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing"
+            )
     straggler.check_config(c.p, c.staleness, straggler.parse_sync(c.sync), c.norm)
     _check_max_lag(c)
     if c.work_pool:
@@ -257,14 +302,22 @@ def _check_max_lag(c: TrainConfig) -> None:
     if c.max_lag is None:
         return
     if c.max_lag < 1:
-        raise UserError(f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)")
+        raise UserError(
+            f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)"
+        )
     if c.staleness != 1:
-        raise UserError("--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag")
+        raise UserError(
+            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag"
+        )
     if c.exchange == "hierarchical":
-        raise UserError("--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag")
+        raise UserError(
+            "--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag"
+        )
 
 
 def check_pool_size(num_parts: int, world: int, parts_dir: Path | str) -> None:
     """``--work-pool`` needs at least one partition per rank."""
     if num_parts < world:
-        raise UserError(f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into at least {world} parts (more than ranks lets fast ranks take more)")
+        raise UserError(
+            f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into at least {world} parts (more than ranks lets fast ranks take more)"
+        )

@@ -73,15 +73,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     where = group.add_mutually_exclusive_group()
     where.add_argument("--gpus", type=int, metavar="N", help="start N ranks on this machine, one CUDA GPU each (NCCL)")
     where.add_argument("--procs", type=int, metavar="N", help="start N ranks on this machine, on CPU (gloo)")
-    group.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running this command (default 1)")
-    group.add_argument("--node-rank", type=int, default=0, help="index of this machine in [0, nnodes); node 0 hosts rank 0 (default 0)")
     group.add_argument(
-        "--master-addr", default=None,
+        "--nnodes", type=int, default=1, help="machines in the job, each running this command (default 1)"
+    )
+    group.add_argument(
+        "--node-rank", type=int, default=0, help="index of this machine in [0, nnodes); node 0 hosts rank 0 (default 0)"
+    )
+    group.add_argument(
+        "--master-addr",
+        default=None,
         help="address of node 0, reachable from every node (default: inside an srun step the step's first node, else 127.0.0.1; "
         "as one rank of torchrun/srun an exported MASTER_ADDR wins)",
     )
     group.add_argument(
-        "--master-port", type=int, default=None,
+        "--master-port",
+        type=int,
+        default=None,
         help="TCP port of rank 0 on node 0 (default: a free port with --nnodes 1; otherwise 20000 + SLURM_JOB_ID %% 20000 "
         "inside a SLURM job, else 29500; as one rank of torchrun/srun an exported MASTER_PORT wins)",
     )
@@ -107,7 +114,9 @@ def check_launch_flags(args: argparse.Namespace) -> None:
     if args.nnodes < 1:
         raise UserError(f"--nnodes {args.nnodes} must be at least 1 (machines in the job)")
     if not 0 <= args.node_rank < args.nnodes:
-        raise UserError(f"--node-rank {args.node_rank} is outside [0, {args.nnodes}) for --nnodes {args.nnodes}; number the machines 0 to {args.nnodes - 1}")
+        raise UserError(
+            f"--node-rank {args.node_rank} is outside [0, {args.nnodes}) for --nnodes {args.nnodes}; number the machines 0 to {args.nnodes - 1}"
+        )
     if args.master_port is not None:
         check_port_number(args.master_port)
 
@@ -117,7 +126,9 @@ def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
     resolved by :func:`bnsgcn.device.resolve_device` once the local rank count is known)."""
     if args.gpus is not None:
         if config.device == "cpu":
-            raise UserError("--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks")
+            raise UserError(
+                "--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks"
+            )
         return "cuda"
     if args.procs is not None:
         if config.device == "cuda":
@@ -137,13 +148,18 @@ def require_gpus(needed: int, what: str, fix: str) -> None:
 
 
 def announce(partition_set: PartitionSet, search_root: Path) -> None:
-    print(f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir picks another)", flush=True)
+    print(
+        f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir picks another)",
+        flush=True,
+    )
 
 
 def ranks_per_node(partition_set: PartitionSet, nnodes: int) -> int:
     """Without --gpus/--procs: the set's partitions spread evenly over the machines."""
     if partition_set.parts % nnodes:
-        raise UserError(f"partition set {partition_set.describe()} does not split evenly over --nnodes {nnodes}; pass --procs N (ranks per machine)")
+        raise UserError(
+            f"partition set {partition_set.describe()} does not split evenly over --nnodes {nnodes}; pass --procs N (ranks per machine)"
+        )
     return partition_set.parts // nnodes
 
 
@@ -157,11 +173,17 @@ def resume_after_restart(config: TrainConfig, environ: Mapping[str, str], announ
     if config.out is not None:
         return True
     if announcer:
-        print(f"{PROG}: warning: restart {count} ({variable}) without --out starts a new run; pass a fixed --out to resume", file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: warning: restart {count} ({variable}) without --out starts a new run; pass a fixed --out to resume",
+            file=sys.stderr,
+            flush=True,
+        )
     return False
 
 
-def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT) -> list[Child]:
+def prepare_local_ranks(
+    args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT
+) -> list[Child]:
     """Check everything that can fail before training and return this machine's ranks.
 
     Ranks ``node_rank * N + i`` for ``i < N`` of ``nnodes * N``; every child gets the
@@ -175,15 +197,21 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     local = args.gpus if args.gpus is not None else args.procs
     if local is not None and device == "cuda":
         require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
-    partition_set = choose_partition_set(config.parts_dir, None if local is None or config.work_pool else local * args.nnodes, search_root)
+    partition_set = choose_partition_set(
+        config.parts_dir, None if local is None or config.work_pool else local * args.nnodes, search_root
+    )
     if config.parts_dir is None:
         announce(partition_set, search_root)
     if local is None:
         if config.work_pool:
-            raise UserError("--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the set's partitions")
+            raise UserError(
+                "--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the set's partitions"
+            )
         local = ranks_per_node(partition_set, args.nnodes)
         if device == "cuda":
-            require_gpus(local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead")
+            require_gpus(
+                local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead"
+            )
     device = resolve_device(device, local)
     world_size = local * args.nnodes
     check_world_size(partition_set, world_size, config.work_pool)
@@ -197,29 +225,51 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
         port = free_port() if args.nnodes == 1 else default_master_port(os.environ)
     if args.node_rank == 0 and port_in_use(port):
         everywhere = " on every node" if args.nnodes > 1 else ""
-        raise UserError(f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}")
+        raise UserError(
+            f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}"
+        )
 
     threads = config.threads or threads_per_rank(local)
-    resume = ["--resume"] if resume_after_restart(config, os.environ, announcer=args.node_rank == 0) and not config.resume else []
+    resume = (
+        ["--resume"]
+        if resume_after_restart(config, os.environ, announcer=args.node_rank == 0) and not config.resume
+        else []
+    )
     child_argv = [
-        sys.executable, "-m", "bnsgcn.launch.rank", *training_argv(argv), *resume,
-        "--parts-dir", str(partition_set.path.resolve()), "--device", device, "--threads", str(threads),
+        sys.executable,
+        "-m",
+        "bnsgcn.launch.rank",
+        *training_argv(argv),
+        *resume,
+        "--parts-dir",
+        str(partition_set.path.resolve()),
+        "--device",
+        device,
+        "--threads",
+        str(threads),
     ]
     launch: dict[str, str] = {}
-    export_launch_record(launch, launch_record("local", os.environ, nodes or (this_host() if args.nnodes == 1 else None)))
+    export_launch_record(
+        launch, launch_record("local", os.environ, nodes or (this_host() if args.nnodes == 1 else None))
+    )
     # Large tensors in transparent huge pages: the kernels gather random feature rows, and
     # with 4 KiB pages nearly every row misses the TLB (see docs/benchmarks.md). A value
     # the user exported wins.
-    shared_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | launch | {
-        "MASTER_ADDR": master_addr,
-        "GROUP_RANK": str(args.node_rank),  # which machine, as torchrun says it: the engine groups ranks by node
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local),
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONUNBUFFERED": "1",  # forward output as it happens
-        LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
-    }
+    shared_env = (
+        {"THP_MEM_ALLOC_ENABLE": "1"}
+        | os.environ
+        | launch
+        | {
+            "MASTER_ADDR": master_addr,
+            "GROUP_RANK": str(args.node_rank),  # which machine, as torchrun says it: the engine groups ranks by node
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",  # forward output as it happens
+            LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
+        }
+    )
     first = args.node_rank * local
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
     print(
@@ -233,7 +283,9 @@ def prepare_local_ranks(args: argparse.Namespace, argv: Sequence[str], search_ro
     ]
 
 
-def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: Path = DEFAULT_SEARCH_ROOT) -> TrainConfig:
+def prepare_rank(
+    args: argparse.Namespace, ranks: RankEnvironment, search_root: Path = DEFAULT_SEARCH_ROOT
+) -> TrainConfig:
     """The configuration of this process as one rank of a torchrun/SLURM job.
 
     Exports the rendezvous variables and the launch record, resolves the partition set
@@ -251,17 +303,27 @@ def prepare_rank(args: argparse.Namespace, ranks: RankEnvironment, search_root: 
     check_master_address(ranks.master_addr)
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
     if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):
-        raise UserError(f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass --master-port")
+        raise UserError(
+            f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass --master-port"
+        )
     resume = resume_after_restart(config, os.environ, announcer=ranks.rank == 0)
     ranks.export(os.environ)
     nodes = slurm_nodes(os.environ) if ranks.source == "slurm" or in_slurm_step(os.environ) else None
     export_launch_record(os.environ, launch_record(ranks.source, os.environ, nodes))
-    return replace(config, parts_dir=partition_set.path.resolve(), device=device, threads=config.threads or ranks.threads, resume=resume)
+    return replace(
+        config,
+        parts_dir=partition_set.path.resolve(),
+        device=device,
+        threads=config.threads or ranks.threads,
+        resume=resume,
+    )
 
 
 def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     master_port = default_master_port(os.environ) if args.master_port is None else args.master_port
-    ranks = detect_rank_environment(os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes)
+    ranks = detect_rank_environment(
+        os.environ, master_addr=args.master_addr, master_port=master_port, nnodes=args.nnodes
+    )
     if ranks is None:
         return supervise(prepare_local_ranks(args, argv))
     return report_errors(lambda: train(prepare_rank(args, ranks)), rank=ranks.rank, debug=args.debug)

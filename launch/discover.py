@@ -54,7 +54,9 @@ def find_partition_sets(root: Path = DEFAULT_SEARCH_ROOT) -> list[PartitionSet]:
     return found
 
 
-def choose_partition_set(parts_dir: Path | None, world_size: int | None, search_root: Path = DEFAULT_SEARCH_ROOT) -> PartitionSet:
+def choose_partition_set(
+    parts_dir: Path | None, world_size: int | None, search_root: Path = DEFAULT_SEARCH_ROOT
+) -> PartitionSet:
     """The set named by ``parts_dir``, else the only set under ``search_root`` with
     ``world_size`` parts (any part count when ``world_size`` is None).
 
@@ -68,11 +70,15 @@ def choose_partition_set(parts_dir: Path | None, world_size: int | None, search_
         return matches[0]
     where = f"{search_root}/"
     if not found:
-        raise UserError(f"no partition set found under {where}; create one with bnsgcn-partition or pass --parts-dir DIR")
+        raise UserError(
+            f"no partition set found under {where}; create one with bnsgcn-partition or pass --parts-dir DIR"
+        )
     wanted = "" if world_size is None else f" with {world_size} parts"
     if not matches:
         listing = ", ".join(s.describe() for s in found)
-        raise UserError(f"no partition set{wanted} under {where} (found: {listing}); pass --parts-dir DIR, or as many ranks as a set has parts")
+        raise UserError(
+            f"no partition set{wanted} under {where} (found: {listing}); pass --parts-dir DIR, or as many ranks as a set has parts"
+        )
     listing = ", ".join(s.describe() for s in matches)
     raise UserError(f"{len(matches)} partition sets{wanted} under {where}: {listing}; choose one with --parts-dir DIR")
 

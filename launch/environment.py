@@ -130,7 +130,9 @@ def _int_variable(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer; unset it or fix the job script") from None
+        raise UserError(
+            f"environment variable {name}={value!r} is not an integer; unset it or fix the job script"
+        ) from None
 
 
 def detect_rank_environment(
@@ -167,13 +169,22 @@ def detect_rank_environment(
     world_size = _int_variable(environ, "SLURM_NTASKS")
     if world_size < 2:
         return None
-    nodes = next((_int_variable(environ, name) for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") if name in environ), 1)
+    nodes = next(
+        (
+            _int_variable(environ, name)
+            for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+            if name in environ
+        ),
+        1,
+    )
     local_world_size = math.ceil(world_size / max(nodes, 1))
     address = environ.get("MASTER_ADDR") or master_addr
     if address is None:
         nodes = slurm_nodes(environ)
         if nodes is None:
-            raise UserError("SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; export MASTER_ADDR=<host of rank 0>")
+            raise UserError(
+                "SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; export MASTER_ADDR=<host of rank 0>"
+            )
         address = nodes[0]
     return RankEnvironment(
         source="slurm",
@@ -183,7 +194,9 @@ def detect_rank_environment(
         local_world_size=local_world_size,
         master_addr=address,
         master_port=_int_variable(environ, "MASTER_PORT") if "MASTER_PORT" in environ else master_port,
-        threads=_int_variable(environ, "SLURM_CPUS_PER_TASK") if "SLURM_CPUS_PER_TASK" in environ else threads_per_rank(local_world_size),
+        threads=_int_variable(environ, "SLURM_CPUS_PER_TASK")
+        if "SLURM_CPUS_PER_TASK" in environ
+        else threads_per_rank(local_world_size),
         restart_count=restart_count(environ)[0],
     )
 
@@ -207,12 +220,16 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     while position < len(text):
         match = _HOST_EXPRESSION.match(text, position)
         if match is None:
-            raise UserError(f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>")
+            raise UserError(
+                f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>"
+            )
         hosts.extend(_expand_host(match.group(0), nodelist))
         position = match.end()
         if position < len(text):
             if text[position] != "," or position + 1 == len(text):
-                raise UserError(f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>")
+                raise UserError(
+                    f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>"
+                )
             position += 1
     if not hosts:
         raise UserError(f"SLURM node list {nodelist!r} is empty; export MASTER_ADDR=<host of rank 0>")
@@ -234,7 +251,9 @@ def _expand_ranges(body: str, nodelist: str) -> list[str]:
     for item in body.split(","):
         match = _RANGE.fullmatch(item)
         if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
-            raise UserError(f"cannot parse range [{body}] in SLURM node list {nodelist!r}; export MASTER_ADDR=<host of rank 0>")
+            raise UserError(
+                f"cannot parse range [{body}] in SLURM node list {nodelist!r}; export MASTER_ADDR=<host of rank 0>"
+            )
         low, high = match.group(1), match.group(2) or match.group(1)
         names.extend(str(number).zfill(len(low)) for number in range(int(low), int(high) + 1))
     return names

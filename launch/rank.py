@@ -133,7 +133,9 @@ def exit_rank(status: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     die_with_launcher()
-    args = training_parser("python -m bnsgcn.launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train).").parse_args(argv)
+    args = training_parser(
+        "python -m bnsgcn.launch.rank", "One rank of a bnsgcn training job (started by bnsgcn-train)."
+    ).parse_args(argv)
     exit_rank(report_errors(lambda: train(from_args(args)), rank=rank_from_environment(), debug=args.debug))
 
 

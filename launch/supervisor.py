@@ -127,7 +127,9 @@ class _Running:
         )
         self.readers = [
             threading.Thread(target=self._forward, args=(self.process.stdout, stdout, lock, None), daemon=True),
-            threading.Thread(target=self._forward, args=(self.process.stderr, stderr, lock, self.stderr_tail), daemon=True),
+            threading.Thread(
+                target=self._forward, args=(self.process.stderr, stderr, lock, self.stderr_tail), daemon=True
+            ),
         ]
         # One waiter per child reports exits in the order they happen, so the first
         # failure (the cause) is told apart from the ranks that failed because of it.
@@ -182,7 +184,12 @@ def _exit_status(returncode: int) -> int:
 
 
 def supervise(
-    children: Sequence[Child], *, grace_s: float = 5.0, settle_s: float = SETTLE_S, stdout: TextIO | None = None, stderr: TextIO | None = None
+    children: Sequence[Child],
+    *,
+    grace_s: float = 5.0,
+    settle_s: float = SETTLE_S,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
 ) -> int:
     """Run ``children`` to completion; 0 when all exit 0, else the failure's status
     (its exit code, or 128 + signal number; 128 + our signal when interrupted).
@@ -202,7 +209,12 @@ def supervise(
             if failed is None:
                 return 0
             _stop(running, grace_s)
-            _report(stderr, lock, f"error: rank {failed.rank} failed ({failed.describe_exit()}): {failed.last_error_line()}", running)
+            _report(
+                stderr,
+                lock,
+                f"error: rank {failed.rank} failed ({failed.describe_exit()}): {failed.last_error_line()}",
+                running,
+            )
             return _exit_status(failed.process.returncode)
         except _Interrupted as interrupt:
             _stop(running, grace_s)

@@ -75,28 +75,57 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bnsgcn-partition",
         description="Partition a graph dataset for partition-parallel training (bnsgcn-train).",
     )
-    parser.add_argument("dataset", nargs="?", default=DEFAULT_DATASET,
-                        help="reddit, ogbn-products, ogbn-arxiv, ogbn-papers100M, yelp, saint:<dir>, cora, citeseer, "
-                             "pubmed, npz:<path>, csr:<dir> (memory-mapped) or synthetic[:key=value,...] (default: synthetic)")
-    parser.add_argument("--parts", type=int, default=DEFAULT_PARTS,
-                        help=f"number of partitions = training ranks (default {DEFAULT_PARTS})")
+    parser.add_argument(
+        "dataset",
+        nargs="?",
+        default=DEFAULT_DATASET,
+        help="reddit, ogbn-products, ogbn-arxiv, ogbn-papers100M, yelp, saint:<dir>, cora, citeseer, "
+        "pubmed, npz:<path>, csr:<dir> (memory-mapped) or synthetic[:key=value,...] (default: synthetic)",
+    )
+    parser.add_argument(
+        "--parts",
+        type=int,
+        default=DEFAULT_PARTS,
+        help=f"number of partitions = training ranks (default {DEFAULT_PARTS})",
+    )
     parser.add_argument("--data-dir", type=Path, help="directory holding the dataset files (default ./data)")
     parser.add_argument("--out", type=Path, help="output directory (default parts/<dataset>-<K>)")
-    parser.add_argument("--method", choices=METHODS, default="metis",
-                        help="partitioner: metis, random, coarse (METIS on a coarsened graph, for graphs METIS cannot hold) "
-                             "or auto (metis when its estimated memory fits, else coarse); default metis")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="cut",
-                        help="METIS objective: edge cut or communication volume (default cut)")
-    parser.add_argument("--assignment", type=Path,
-                        help="use this assignment instead (.npy or text, one part id per node), e.g. from ParMETIS")
-    parser.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
-                        help="memory the step may use, e.g. 8G or 500M (default: what the system reports available); "
-                             "decides --method auto and bounds coarse")
-    parser.add_argument("--node-order", choices=ORDERS, default="blocks",
-                        help="order of the nodes within a partition: blocks of nodes that share neighbours, which "
-                             "makes training's sparse products faster (METIS on each partition), or ascending global "
-                             "ids (default blocks)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of METIS / random partitioning and of the node order (default 0)")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="metis",
+        help="partitioner: metis, random, coarse (METIS on a coarsened graph, for graphs METIS cannot hold) "
+        "or auto (metis when its estimated memory fits, else coarse); default metis",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="cut",
+        help="METIS objective: edge cut or communication volume (default cut)",
+    )
+    parser.add_argument(
+        "--assignment",
+        type=Path,
+        help="use this assignment instead (.npy or text, one part id per node), e.g. from ParMETIS",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="memory the step may use, e.g. 8G or 500M (default: what the system reports available); "
+        "decides --method auto and bounds coarse",
+    )
+    parser.add_argument(
+        "--node-order",
+        choices=ORDERS,
+        default="blocks",
+        help="order of the nodes within a partition: blocks of nodes that share neighbours, which "
+        "makes training's sparse products faster (METIS on each partition), or ascending global "
+        "ids (default blocks)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of METIS / random partitioning and of the node order (default 0)"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing partition set at --out")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
@@ -149,8 +178,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _unwritable(out_dir, exc) from exc
     if manifest is not None:
-        print(f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
-              "pass --force to rewrite it")
+        print(
+            f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
+            "pass --force to rewrite it"
+        )
     else:
         limit = args.memory_limit
         with phase(f"loading {args.dataset}", None, limit):
@@ -160,18 +191,28 @@ def run(args: argparse.Namespace) -> int:
             method, need = "assignment file", None
         else:
             method = resolve_method(args.method, graph.num_nodes, graph.num_edges, limit)
-            need = {"metis": metis_bytes(graph.num_nodes, graph.num_edges), "coarse": coarse_bytes(graph.num_nodes),
-                    "random": RANDOM_BYTES_PER_NODE * graph.num_nodes}[method]
+            need = {
+                "metis": metis_bytes(graph.num_nodes, graph.num_edges),
+                "coarse": coarse_bytes(graph.num_nodes),
+                "random": RANDOM_BYTES_PER_NODE * graph.num_nodes,
+            }[method]
             if args.method == "auto":
                 partitioner = {**partitioner, "resolved": method}
-                print(f"--method auto: {method} (METIS needs about {format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
-                      f"{format_bytes(available_memory(limit))} available)", file=sys.stderr)
+                print(
+                    f"--method auto: {method} (METIS needs about {format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
+                    f"{format_bytes(available_memory(limit))} available)",
+                    file=sys.stderr,
+                )
             elif method == "metis" and need > available_memory(limit):
-                print(f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are available; "
-                      "it may be killed, --method coarse fits in less", file=sys.stderr)
+                print(
+                    f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are available; "
+                    "it may be killed, --method coarse fits in less",
+                    file=sys.stderr,
+                )
         with phase(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})", need, limit):
-            assignment = assign(graph, args.parts, method, args.objective, args.seed, args.assignment,
-                                memory_limit=limit, progress=True)
+            assignment = assign(
+                graph, args.parts, method, args.objective, args.seed, args.assignment, memory_limit=limit, progress=True
+            )
         position = None
         if args.node_order == "blocks":
             with phase("ordering nodes into blocks", order_bytes(graph, assignment, args.parts), limit):
@@ -179,9 +220,17 @@ def run(args: argparse.Namespace) -> int:
             partitioner = {**partitioner, "blocks_by": blocks}
         try:
             with phase("writing partitions", writer_bytes(graph, assignment, args.parts), limit):
-                manifest = write_partition_set(graph, assignment, out_dir, parts=args.parts, method_info=partitioner,
-                                               dataset_spec=args.dataset, inputs=inputs, force=args.force,
-                                               position=position)
+                manifest = write_partition_set(
+                    graph,
+                    assignment,
+                    out_dir,
+                    parts=args.parts,
+                    method_info=partitioner,
+                    dataset_spec=args.dataset,
+                    inputs=inputs,
+                    force=args.force,
+                    position=position,
+                )
         except OSError as exc:
             raise _unwritable(out_dir, exc) from exc
         print(f"partition set written to {out_dir}")

@@ -83,8 +83,16 @@ def coarse_bytes(num_nodes: int) -> int:
     return COARSE_BYTES_PER_NODE * num_nodes
 
 
-def _label_propagation(indptr: np.ndarray, indices: np.ndarray, adjwgt: np.ndarray, node_weight: np.ndarray,
-                       max_weight: int, order: np.ndarray, rounds: int, initial: np.ndarray) -> tuple[np.ndarray, int]:
+def _label_propagation(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    adjwgt: np.ndarray,
+    node_weight: np.ndarray,
+    max_weight: int,
+    order: np.ndarray,
+    rounds: int,
+    initial: np.ndarray,
+) -> tuple[np.ndarray, int]:
     """Size-constrained label propagation; returns the cluster id (0..C-1) of every node and C.
 
     Starts from the clusters ``initial`` (ids in ``[0, n)``; length 0: every node alone).
@@ -114,7 +122,9 @@ def _cluster_weights(label, node_weight):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
-def _lp_round(indptr, indices, adjwgt, node_weight, max_weight, order, label, weight, gain, touched):  # pragma: no cover - numba
+def _lp_round(
+    indptr, indices, adjwgt, node_weight, max_weight, order, label, weight, gain, touched
+):  # pragma: no cover - numba
     """One label-propagation pass in ``order``; ``gain`` is zero on entry and exit; returns the moves made."""
     unit_edges = adjwgt.shape[0] == 0
     unit_nodes = node_weight.shape[0] == 0
@@ -137,7 +147,11 @@ def _lp_round(indptr, indices, adjwgt, node_weight, max_weight, order, label, we
         for t in range(count):
             c = touched[t]
             g = gain[c]
-            if c != current and weight[c] + w <= max_weight and (g > best_gain or (g == best_gain and best != current and c < best)):
+            if (
+                c != current
+                and weight[c] + w <= max_weight
+                and (g > best_gain or (g == best_gain and best != current and c < best))
+            ):
                 best, best_gain = c, g
         for t in range(count):
             gain[touched[t]] = 0
@@ -174,7 +188,9 @@ def _lp_finish(indptr, node_weight, max_weight, label, ids):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def _contract(indptr, indices, adjwgt, node_weight, train_weight, cluster, clusters, max_edges):  # pragma: no cover - numba
+def _contract(
+    indptr, indices, adjwgt, node_weight, train_weight, cluster, clusters, max_edges
+):  # pragma: no cover - numba
     """The weighted graph of the clusters: (indptr, indices, edge weights, node weights, training weights).
 
     Two passes over the fine rows, cluster by cluster (members found by a counting sort):
@@ -282,7 +298,11 @@ def _refine(indptr, indices, part, parts, train, cap_nodes, cap_train, order, ro
             if inside < end - start:  # a boundary node
                 best, best_conn = p, conn[p]
                 for q in range(parts):
-                    if conn[q] > best_conn and size[q] + 1 <= cap_nodes and (train[v] == 0 or train_size[q] + 1 <= cap_train):
+                    if (
+                        conn[q] > best_conn
+                        and size[q] + 1 <= cap_nodes
+                        and (train[v] == 0 or train_size[q] + 1 <= cap_train)
+                    ):
                         best, best_conn = q, conn[q]
                 if best != p:
                     _move(v, p, best, part, size, train_size, train)
@@ -313,7 +333,12 @@ def _refine(indptr, indices, part, parts, train, cap_nodes, cap_train, order, ro
                 conn[part[indices[e]]] += 1
             best, best_conn = -1, -1
             for q in range(parts):
-                if q != p and conn[q] > best_conn and size[q] + 1 <= node_room and (train[v] == 0 or train_size[q] + 1 <= cap_train):
+                if (
+                    q != p
+                    and conn[q] > best_conn
+                    and size[q] + 1 <= node_room
+                    and (train[v] == 0 or train_size[q] + 1 <= cap_train)
+                ):
                     best, best_conn = q, conn[q]
             conn[:] = 0
             if best >= 0:
@@ -375,7 +400,9 @@ def coarse_assignment(
     max_coarse_edges = metis_budget // 2 // CONTRACT_BYTES_PER_EDGE
     while level_nodes > coarse_nodes or metis_bytes(level_nodes, level_edges) > metis_budget:
         cap = min(cap, cap_limit)
-        with step(f"coarsening level {len(clusters) + 1}: {level_nodes:,} nodes, {level_edges:,} edges", enabled=progress):
+        with step(
+            f"coarsening level {len(clusters) + 1}: {level_nodes:,} nodes, {level_edges:,} edges", enabled=progress
+        ):
             order = rng.permutation(level_nodes)
             start = empty
             while True:

@@ -44,8 +44,15 @@ LP_CAP_BLOCKS = 16  # label propagation's cluster cap, in blocks: its clusters s
 METIS_MAX_BLOCKS = 512  # larger partitions take label propagation: METIS k-way slows down with its part count
 
 
-def block_positions(graph: Graph, assignment: np.ndarray, parts: int, *, seed: int = 0,
-                    memory_limit: int | None = None, progress: bool = True) -> tuple[np.ndarray, dict]:
+def block_positions(
+    graph: Graph,
+    assignment: np.ndarray,
+    parts: int,
+    *,
+    seed: int = 0,
+    memory_limit: int | None = None,
+    progress: bool = True,
+) -> tuple[np.ndarray, dict]:
     """Each node's position within its partition in block order, int64 [N], and how the blocks
     were found (the manifest's ``partitioner.blocks_by``): ``{"block_nodes": ..., "parts": [per
     partition "metis", "label propagation" or "one block"]}``."""
@@ -54,7 +61,7 @@ def block_positions(graph: Graph, assignment: np.ndarray, parts: int, *, seed: i
     clustering = []
     with Progress(parts, "ordering nodes into blocks", enabled=progress) as bar:
         for k in range(parts):
-            inner = by_owner[starts[k]:starts[k + 1]]
+            inner = by_owner[starts[k] : starts[k + 1]]
             block, how = _blocks(graph, inner, assignment, k, local_index, seed, memory_limit)
             position[inner[np.argsort(block, kind="stable")]] = np.arange(inner.shape[0], dtype=np.int64)
             clustering.append(how)
@@ -62,8 +69,15 @@ def block_positions(graph: Graph, assignment: np.ndarray, parts: int, *, seed: i
     return position, {"block_nodes": BLOCK_NODES, "parts": clustering}
 
 
-def _blocks(graph: Graph, inner: np.ndarray, assignment: np.ndarray, k: int, local_index: np.ndarray,
-            seed: int, memory_limit: int | None) -> tuple[np.ndarray, str]:
+def _blocks(
+    graph: Graph,
+    inner: np.ndarray,
+    assignment: np.ndarray,
+    k: int,
+    local_index: np.ndarray,
+    seed: int,
+    memory_limit: int | None,
+) -> tuple[np.ndarray, str]:
     """The block of each inner node of partition ``k`` (ids ascending within a block keep their order)."""
     n = inner.shape[0]
     blocks = math.ceil(n / BLOCK_NODES)
@@ -78,7 +92,9 @@ def _blocks(graph: Graph, inner: np.ndarray, assignment: np.ndarray, k: int, loc
         return metis_parts(sub_indptr, sub_indices, np.ones(n, dtype=np.int64), 1, None, blocks, "cut", seed), "metis"
     order = np.random.default_rng(seed).permutation(n)
     none = np.zeros(0, dtype=np.int64)
-    label, _ = _label_propagation(sub_indptr, sub_indices, none, none, LP_CAP_BLOCKS * BLOCK_NODES, order, LP_ROUNDS, none)
+    label, _ = _label_propagation(
+        sub_indptr, sub_indices, none, none, LP_CAP_BLOCKS * BLOCK_NODES, order, LP_ROUNDS, none
+    )
     return label, "label propagation"
 
 
@@ -93,7 +109,9 @@ def _inner_degrees(indptr, indices, inner, assignment, k, counts):  # pragma: no
 
 
 @numba.njit(cache=True, nogil=True)
-def _inner_edges(indptr, indices, inner, assignment, k, local_index, sub_indptr, sub_indices):  # pragma: no cover - numba
+def _inner_edges(
+    indptr, indices, inner, assignment, k, local_index, sub_indptr, sub_indices
+):  # pragma: no cover - numba
     """Fill the inner subgraph's CSR (local ids, the graph's order within a row)."""
     for i in range(inner.shape[0]):
         v = inner[i]

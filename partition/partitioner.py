@@ -62,7 +62,9 @@ def validate_parts(parts: int, num_nodes: int | None = None) -> None:
     if parts < 1:
         raise UserError(f"--parts {parts} must be at least 1; pass e.g. --parts 2")
     if num_nodes is not None and parts > num_nodes:
-        raise UserError(f"--parts {parts} exceeds the {num_nodes} nodes of the graph; pass --parts {num_nodes} or fewer")
+        raise UserError(
+            f"--parts {parts} exceeds the {num_nodes} nodes of the graph; pass --parts {num_nodes} or fewer"
+        )
 
 
 def method_info(method: str, objective: str, seed: int, assignment_file: Path | None = None) -> dict:
@@ -143,8 +145,9 @@ def assign(
     if method == "random":
         return random_assignment(graph.train_mask, parts, seed)
     if method == "coarse":
-        return coarse_assignment(graph, parts, objective, seed, metis_parts,
-                                 memory_budget=available_memory(memory_limit), progress=progress)
+        return coarse_assignment(
+            graph, parts, objective, seed, metis_parts, memory_budget=available_memory(memory_limit), progress=progress
+        )
     return metis_assignment(graph, parts, objective, seed)
 
 
@@ -184,8 +187,21 @@ def _metis_kway():
     defaults.argtypes = [array]
     defaults.restype = ctypes.c_int
     # nvtxs, ncon, xadj, adjncy, vwgt, vsize, adjwgt, nparts, tpwgts, ubvec, options, objval, part
-    kway.argtypes = [scalar, scalar, array, array, array, ctypes.c_void_p, ctypes.c_void_p,
-                     scalar, ctypes.c_void_p, ctypes.c_void_p, array, scalar, array]
+    kway.argtypes = [
+        scalar,
+        scalar,
+        array,
+        array,
+        array,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        scalar,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        array,
+        scalar,
+        array,
+    ]
     kway.restype = ctypes.c_int
     return kway, defaults, idx_dtype, idx_ctype, internal.options_indices
 
@@ -197,8 +213,16 @@ def metis_assignment(graph: Graph, parts: int, objective: str, seed: int) -> np.
     return metis_parts(graph.indptr, graph.indices, vwgt, ncon, None, parts, objective, seed)
 
 
-def metis_parts(xadj: np.ndarray, adjncy: np.ndarray, vwgt: np.ndarray, ncon: int, adjwgt: np.ndarray | None,
-                parts: int, objective: str, seed: int) -> np.ndarray:
+def metis_parts(
+    xadj: np.ndarray,
+    adjncy: np.ndarray,
+    vwgt: np.ndarray,
+    ncon: int,
+    adjwgt: np.ndarray | None,
+    parts: int,
+    objective: str,
+    seed: int,
+) -> np.ndarray:
     """``METIS_PartGraphKway`` on the CSR ``xadj``/``adjncy`` with ``ncon`` vertex weights per node
     (``vwgt`` [N * ncon], interleaved) and optional edge weights; return the part of each node, int64 [N]."""
     kway, defaults, idx_dtype, idx_ctype, option = _metis_kway()
@@ -218,21 +242,37 @@ def metis_parts(xadj: np.ndarray, adjncy: np.ndarray, vwgt: np.ndarray, ncon: in
     part = np.frombuffer(shared, dtype=idx_dtype, count=num_nodes)
     objval = idx_ctype(0)
     edge_weights = None if adjwgt is None else adjwgt.ctypes.data_as(ctypes.c_void_p)
-    status, killed_by = _run_in_child(lambda: kway(
-        ctypes.byref(idx_ctype(num_nodes)), ctypes.byref(idx_ctype(ncon)), xadj, adjncy,
-        vwgt, None, edge_weights, ctypes.byref(idx_ctype(parts)), None, None,
-        options, ctypes.byref(objval), part,
-    ))
+    status, killed_by = _run_in_child(
+        lambda: kway(
+            ctypes.byref(idx_ctype(num_nodes)),
+            ctypes.byref(idx_ctype(ncon)),
+            xadj,
+            adjncy,
+            vwgt,
+            None,
+            edge_weights,
+            ctypes.byref(idx_ctype(parts)),
+            None,
+            None,
+            options,
+            ctypes.byref(objval),
+            part,
+        )
+    )
     need = f"about {format_bytes(metis_bytes(num_nodes, num_edges))} for {num_nodes:,} nodes and {num_edges:,} edges"
     if killed_by == signal.SIGKILL:
-        raise UserError(f"METIS was killed (SIGKILL), most likely by the kernel for lack of memory (it needs {need}, "
-                        f"{format_bytes(available_memory())} are available); free memory, use a larger machine "
-                        "or pass --method coarse or --method random")
+        raise UserError(
+            f"METIS was killed (SIGKILL), most likely by the kernel for lack of memory (it needs {need}, "
+            f"{format_bytes(available_memory())} are available); free memory, use a larger machine "
+            "or pass --method coarse or --method random"
+        )
     if killed_by is not None:
         raise RuntimeError(f"METIS_PartGraphKway crashed ({signal.Signals(killed_by).name})")
     if status == _METIS_ERROR_MEMORY:
-        raise UserError(f"METIS ran out of memory (it needs {need}); free memory, use a larger machine "
-                        "or pass --method coarse or --method random")
+        raise UserError(
+            f"METIS ran out of memory (it needs {need}); free memory, use a larger machine "
+            "or pass --method coarse or --method random"
+        )
     if status != _METIS_OK:
         raise RuntimeError(f"METIS_PartGraphKway failed with status {status}")
     return part.astype(np.int64)

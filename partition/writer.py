@@ -82,8 +82,9 @@ def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
     }
 
 
-def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False, *,
-                  inputs: Sequence[dict] = ()) -> dict | None:
+def find_reusable(
+    out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False, *, inputs: Sequence[dict] = ()
+) -> dict | None:
     """Return the manifest of a valid set at ``out_dir`` made by the same request, else ``None``.
 
     The request is the dataset spec, its input files (``inputs`` from :func:`input_entries`:
@@ -110,12 +111,15 @@ def find_reusable(out_dir: Path, spec: str, parts: int, partitioner: dict, force
         )
         # Sets written before input files were recorded have no "inputs": as if made from none.
         same_inputs = manifest["dataset"].get("inputs", []) == list(inputs)
-        complete = all(
-            (out_dir / entry["dir"] / f"{name}.npy").is_file()
-            and (out_dir / entry["dir"] / f"{name}.npy").stat().st_size == meta["bytes"]
-            for entry in manifest["partitions"]
-            for name, meta in entry["files"].items()
-        ) and len(manifest["partitions"]) == parts
+        complete = (
+            all(
+                (out_dir / entry["dir"] / f"{name}.npy").is_file()
+                and (out_dir / entry["dir"] / f"{name}.npy").stat().st_size == meta["bytes"]
+                for entry in manifest["partitions"]
+                for name, meta in entry["files"].items()
+            )
+            and len(manifest["partitions"]) == parts
+        )
     except (UserError, KeyError, TypeError):
         same = same_inputs = complete = False
     if not same:
@@ -136,7 +140,9 @@ def _request(partitioner: dict) -> dict:
     """The ``partitioner`` entry without what the run found (``resolved``: what ``--method auto``
     chose; ``blocks_by``: how each partition's blocks were found), for comparing requests. Sets
     written before node orders existed keep ascending ids: ``node_order`` "ids"."""
-    return {"node_order": "ids"} | {key: value for key, value in partitioner.items() if key not in ("resolved", "blocks_by")}
+    return {"node_order": "ids"} | {
+        key: value for key, value in partitioner.items() if key not in ("resolved", "blocks_by")
+    }
 
 
 WRITER_BYTES_PER_NODE = 64  # owner order and its sort keys, local index, boundary column, degree, flags, assignment
@@ -144,8 +150,10 @@ WRITER_BYTES_PER_NODE = 64  # owner order and its sort keys, local index, bounda
 
 def part_sizes(graph: Graph, assignment: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
     """Each partition's inner nodes and their in-edges (float64 [K] each), for memory estimates."""
-    return (np.bincount(assignment, minlength=parts).astype(np.float64),
-            np.bincount(assignment, weights=graph.in_degree(), minlength=parts))
+    return (
+        np.bincount(assignment, minlength=parts).astype(np.float64),
+        np.bincount(assignment, weights=graph.in_degree(), minlength=parts),
+    )
 
 
 def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
@@ -153,7 +161,9 @@ def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
     arrays plus the largest partition's adjacency (int32 entries, int64 row pointer), features
     and node data."""
     sizes, in_edges = part_sizes(graph, assignment, parts)
-    row_bytes = 4 * graph.features.shape[1] + 8 + 8 + 3 + graph.labels.itemsize * (graph.labels.size // max(1, graph.num_nodes))
+    row_bytes = (
+        4 * graph.features.shape[1] + 8 + 8 + 3 + graph.labels.itemsize * (graph.labels.size // max(1, graph.num_nodes))
+    )
     per_part = 4 * (in_edges + sizes) + row_bytes * sizes
     return int(WRITER_BYTES_PER_NODE * graph.num_nodes + per_part.max())
 
@@ -232,7 +242,9 @@ def write_partition_set(
     if existing is not None:
         return existing
     assignment = np.asarray(assignment, dtype=np.int64)
-    if assignment.shape != (graph.num_nodes,) or (assignment.size and (assignment.min() < 0 or assignment.max() >= parts)):
+    if assignment.shape != (graph.num_nodes,) or (
+        assignment.size and (assignment.min() < 0 or assignment.max() >= parts)
+    ):
         raise ValueError(f"assignment must be int64 [{graph.num_nodes}] with values in [0, {parts})")
 
     remove_stale_temporaries(out_dir)
@@ -316,7 +328,9 @@ def _mark_boundary(indptr, indices, inner, assignment, k, is_boundary):  # pragm
 
 
 @numba.njit(cache=True, nogil=True)
-def _local_adjacency(indptr, indices, inner, assignment, k, local_index, boundary_column, adj_indptr, adj_indices):  # pragma: no cover - numba
+def _local_adjacency(
+    indptr, indices, inner, assignment, k, local_index, boundary_column, adj_indptr, adj_indices
+):  # pragma: no cover - numba
     """Fill the local CSR of ``inner``: row ``i`` holds the local columns of node ``inner[i]``'s
     in-neighbours plus its self-loop ``i``, ascending (inner columns, then boundary ones)."""
     max_degree = 0
@@ -338,9 +352,9 @@ def _local_adjacency(indptr, indices, inner, assignment, k, local_index, boundar
                 remote[n_remote] = boundary_column[u]
                 n_remote += 1
         # Rows are short: sorting each is cheaper than one sort of the partition's entries.
-        adj_indices[pos:pos + n_local] = np.sort(local[:n_local])
+        adj_indices[pos : pos + n_local] = np.sort(local[:n_local])
         pos += n_local
-        adj_indices[pos:pos + n_remote] = np.sort(remote[:n_remote])
+        adj_indices[pos : pos + n_remote] = np.sort(remote[:n_remote])
         pos += n_remote
         adj_indptr[i + 1] = pos
 
@@ -356,7 +370,9 @@ def _by_owner(nodes: np.ndarray | None, assignment: np.ndarray, position: np.nda
     return order if nodes is None else nodes[order]
 
 
-def inner_order(assignment: np.ndarray, parts: int, position: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def inner_order(
+    assignment: np.ndarray, parts: int, position: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every partition's inner nodes in order: ``(by_owner, starts, local_index)``, where
     ``by_owner[starts[k]:starts[k + 1]]`` are partition ``k``'s inner nodes and ``local_index[v]``
     is node ``v``'s place among its partition's (int64 [N], [K + 1], [N])."""
@@ -368,8 +384,9 @@ def inner_order(assignment: np.ndarray, parts: int, position: np.ndarray | None 
     return by_owner, starts, local_index
 
 
-def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir: Path, progress: bool,
-                      position: np.ndarray | None) -> list[dict]:
+def _write_partitions(
+    graph: Graph, assignment: np.ndarray, parts: int, out_dir: Path, progress: bool, position: np.ndarray | None
+) -> list[dict]:
     """Write every partition's arrays under ``out_dir``; return the manifest's ``partitions``."""
     num_nodes = graph.num_nodes
     by_owner, part_starts, local_index = inner_order(assignment, parts, position)
@@ -382,7 +399,7 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
     boundaries: list[tuple[np.ndarray, np.ndarray]] = []
     with Progress(parts, "writing partitions", enabled=progress) as bar:
         for k in range(parts):
-            inner = by_owner[part_starts[k]:part_starts[k + 1]]
+            inner = by_owner[part_starts[k] : part_starts[k + 1]]
             n_inner = inner.shape[0]
             cut_edges = _mark_boundary(graph.indptr, graph.indices, inner, assignment, k, is_boundary)
             if cut_edges < 0:
@@ -395,13 +412,16 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
             boundary_offsets = np.concatenate([[0], np.cumsum(np.bincount(assignment[boundary], minlength=parts))])
             n_local = n_inner + boundary.shape[0]
             if n_local >= 2**31:
-                raise UserError(f"partition {k} has {n_local} local nodes, over the int32 column limit; pass more --parts")
+                raise UserError(
+                    f"partition {k} has {n_local} local nodes, over the int32 column limit; pass more --parts"
+                )
             boundary_column[boundary] = n_inner + np.arange(boundary.shape[0], dtype=np.int64)
             in_edges = int((graph.indptr[inner + 1] - graph.indptr[inner]).sum())
             adj_indptr = np.zeros(n_inner + 1, dtype=np.int64)
             adj_indices = np.empty(in_edges + n_inner, dtype=np.int32)
-            _local_adjacency(graph.indptr, graph.indices, inner, assignment, k, local_index, boundary_column,
-                             adj_indptr, adj_indices)
+            _local_adjacency(
+                graph.indptr, graph.indices, inner, assignment, k, local_index, boundary_column, adj_indptr, adj_indices
+            )
 
             part_dir = out_dir / part_dir_name(k)
             part_dir.mkdir()
@@ -419,15 +439,17 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
                 "test_mask": np.asarray(graph.test_mask[inner], dtype=bool),
             }
             files = {name: write_array(part_dir, name, array) for name, array in arrays.items()}
-            entries.append({
-                "dir": part_dir_name(k),
-                "files": files,
-                "n_inner": int(n_inner),
-                "n_boundary": int(boundary.shape[0]),
-                "local_edges": in_edges - cut_edges,
-                "cut_edges": cut_edges,
-                "train_nodes": int(arrays["train_mask"].sum()),
-            })
+            entries.append(
+                {
+                    "dir": part_dir_name(k),
+                    "files": files,
+                    "n_inner": int(n_inner),
+                    "n_boundary": int(boundary.shape[0]),
+                    "local_edges": in_edges - cut_edges,
+                    "cut_edges": cut_edges,
+                    "train_nodes": int(arrays["train_mask"].sum()),
+                }
+            )
             boundaries.append((boundary, boundary_offsets))
             del arrays
             bar.update()
@@ -435,7 +457,7 @@ def _write_partitions(graph: Graph, assignment: np.ndarray, parts: int, out_dir:
     # Send lists need every partition's boundary, hence a second (cheap) pass.
     for k, entry in enumerate(entries):
         requested = [
-            local_index[boundary[offsets[k]:offsets[k + 1]]] if q != k else np.empty(0, dtype=np.int64)
+            local_index[boundary[offsets[k] : offsets[k + 1]]] if q != k else np.empty(0, dtype=np.int64)
             for q, (boundary, offsets) in enumerate(boundaries)
         ]
         send_offsets = np.concatenate([[0], np.cumsum([r.shape[0] for r in requested])]).astype(np.int64)
@@ -452,16 +474,20 @@ def build_report(partitions: list[dict]) -> dict:
     for k, entry in enumerate(partitions):
         ratio = entry["n_boundary"] / entry["n_inner"] if entry["n_inner"] else 0.0
         ratios.append(ratio)
-        rows.append({
-            "part": k,
-            "inner": entry["n_inner"],
-            "boundary": entry["n_boundary"],
-            "ratio": round(ratio, 4),
-            "local_edges": entry["local_edges"],
-            "cut_edges": entry["cut_edges"],
-            "train": entry["train_nodes"],
-        })
-    totals = {name: sum(row[name] for row in rows) for name in ("inner", "boundary", "local_edges", "cut_edges", "train")}
+        rows.append(
+            {
+                "part": k,
+                "inner": entry["n_inner"],
+                "boundary": entry["n_boundary"],
+                "ratio": round(ratio, 4),
+                "local_edges": entry["local_edges"],
+                "cut_edges": entry["cut_edges"],
+                "train": entry["train_nodes"],
+            }
+        )
+    totals = {
+        name: sum(row[name] for row in rows) for name in ("inner", "boundary", "local_edges", "cut_edges", "train")
+    }
     totals["ratio_max"] = round(max(ratios), 4)
     totals["ratio_mean"] = round(sum(ratios) / len(ratios), 4)
     return {"rows": rows, "totals": totals}
@@ -470,11 +496,30 @@ def build_report(partitions: list[dict]) -> dict:
 def format_report(report: dict) -> str:
     """The report as a fixed-width text table (one row per partition, then totals)."""
     header = ["part", "inner", "boundary", "bnd/inner", "local edges", "cut edges", "train"]
-    lines = [[str(r["part"]), f"{r['inner']:,}", f"{r['boundary']:,}", f"{r['ratio']:.3f}",
-              f"{r['local_edges']:,}", f"{r['cut_edges']:,}", f"{r['train']:,}"] for r in report["rows"]]
+    lines = [
+        [
+            str(r["part"]),
+            f"{r['inner']:,}",
+            f"{r['boundary']:,}",
+            f"{r['ratio']:.3f}",
+            f"{r['local_edges']:,}",
+            f"{r['cut_edges']:,}",
+            f"{r['train']:,}",
+        ]
+        for r in report["rows"]
+    ]
     t = report["totals"]
-    lines.append(["total", f"{t['inner']:,}", f"{t['boundary']:,}", f"max {t['ratio_max']:.3f}",
-                  f"{t['local_edges']:,}", f"{t['cut_edges']:,}", f"{t['train']:,}"])
+    lines.append(
+        [
+            "total",
+            f"{t['inner']:,}",
+            f"{t['boundary']:,}",
+            f"max {t['ratio_max']:.3f}",
+            f"{t['local_edges']:,}",
+            f"{t['cut_edges']:,}",
+            f"{t['train']:,}",
+        ]
+    )
     lines.append(["", "", "", f"mean {t['ratio_mean']:.3f}", "", "", ""])
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
     text = [" ".join(cell.rjust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *lines]]

@@ -13,16 +13,23 @@ from queue import Empty
 
 import numpy as np
 import torch
+
+from bnsgcn.config import TrainConfig
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import write_partition_set
 
-from bnsgcn.config import TrainConfig
-
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def random_graph(num_nodes: int = 60, avg_degree: int = 4, features: int = 8, classes: int = 3, seed: int = 0, multilabel: bool = False) -> Graph:
+def random_graph(
+    num_nodes: int = 60,
+    avg_degree: int = 4,
+    features: int = 8,
+    classes: int = 3,
+    seed: int = 0,
+    multilabel: bool = False,
+) -> Graph:
     """A random graph with an isolated node, features that carry the label, and a split."""
     rng = np.random.default_rng(seed)
     m = num_nodes * avg_degree // 2
@@ -45,7 +52,9 @@ def random_graph(num_nodes: int = 60, avg_degree: int = 4, features: int = 8, cl
 
 def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed: int = 0) -> Path:
     assignment = assign(graph, parts, method=method, seed=seed)
-    write_partition_set(graph, assignment, out, parts=parts, method_info=method_info(method, "cut", seed), progress=False)
+    write_partition_set(
+        graph, assignment, out, parts=parts, method_info=method_info(method, "cut", seed), progress=False
+    )
     return out
 
 
@@ -62,7 +71,9 @@ def final_test_score(metrics: Path, epochs: int) -> float:
     evaluates after its last epoch; with a decoupled ``--sync``, after the final average).
     Not the summary's score at the best-validation epoch: picking one of many evaluations by
     Cora's 500 validation nodes adds noise of its own (tests/test_sync.py, test_workpool.py)."""
-    (last,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r]
+    (last,) = [
+        r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r
+    ]
     return last["test_score"]
 
 
@@ -71,10 +82,24 @@ def graph_with_island(out: Path) -> Path:
     other rank needs its rows (zero-sized splits in every all-to-all it takes part in)."""
     main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
     n = main.num_nodes + island.num_nodes
-    rows = np.concatenate([np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset for g, offset in ((main, 0), (island, main.num_nodes))])
+    rows = np.concatenate(
+        [
+            np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset
+            for g, offset in ((main, 0), (island, main.num_nodes))
+        ]
+    )
     sources = np.concatenate([main.indices, island.indices + main.num_nodes])
     indptr, indices, _ = canonical_csr(sources, rows, n)
-    joined = Graph("joined", indptr, indices, *(np.concatenate([getattr(main, k), getattr(island, k)]) for k in ("features", "labels", "train_mask", "val_mask", "test_mask")), main.num_classes)
+    joined = Graph(
+        "joined",
+        indptr,
+        indices,
+        *(
+            np.concatenate([getattr(main, k), getattr(island, k)])
+            for k in ("features", "labels", "train_mask", "val_mask", "test_mask")
+        ),
+        main.num_classes,
+    )
     assignment = np.concatenate([np.arange(main.num_nodes) % 3, np.full(island.num_nodes, 3)])
     write_partition_set(joined, assignment, out, parts=4, method_info=method_info("random", "cut", 0), progress=False)
     return out
@@ -95,7 +120,10 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
     ports = range(10000, max(ephemeral_low, 10001))
-    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker, workers = (
+        os.environ.get("PYTEST_XDIST_WORKER", "gw0"),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+    )
     ports = ports[int(worker.removeprefix("gw")) :: workers]
     for port in random.Random().sample(ports, min(200, len(ports))):
         if port in _HANDED_OUT:
@@ -110,14 +138,29 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def _rank_main(rank: int, world: int, configs: list[TrainConfig], ports: list[int], queue, nodes: list[int], environ: dict[str, str], instrument=None) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    configs: list[TrainConfig],
+    ports: list[int],
+    queue,
+    nodes: list[int],
+    environ: dict[str, str],
+    instrument=None,
+) -> None:
     local_rank = nodes[:rank].count(nodes[rank])
     # A forked rank inherits the forkserver's environment, not the test's (monkeypatch.setenv)
     os.environ.clear()
     os.environ.update(environ)
     # LOCAL_WORLD_SIZE as the launcher, torchrun and SLURM set it: --device auto decides by it
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])), GROUP_RANK=str(nodes[rank]))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])),
+        GROUP_RANK=str(nodes[rank]),
+    )
     torch.set_num_threads(1)
     from bnsgcn.run.train import run
 
@@ -144,7 +187,9 @@ def _rank_context():
     return ctx
 
 
-def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None, instrument=None) -> list[list[dict]]:
+def run_ranks(
+    world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None, instrument=None
+) -> list[list[dict]]:
     """Run each config as a job of ``world`` ranks (processes); return results[rank][config].
 
     ``nodes[r]``: the node rank r plays (``GROUP_RANK``, as a multi-node launch sets it);
@@ -155,7 +200,13 @@ def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, node
     ctx = _rank_context()
     queue = ctx.Queue()
     ports = [free_port() for _ in configs]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, configs, ports, queue, nodes or [0] * world, dict(os.environ), instrument)) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world, configs, ports, queue, nodes or [0] * world, dict(os.environ), instrument),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: list = [None] * world
@@ -164,7 +215,11 @@ def run_ranks(world: int, configs: list[TrainConfig], timeout: float = 300, node
             try:
                 rank, res, err = queue.get(timeout=timeout)
             except Empty:  # say which ranks hang and which died (a crash reports nothing)
-                states = [f"rank {r} {'still running' if procs[r].is_alive() else f'exited with {procs[r].exitcode}'}" for r in range(world) if results[r] is None]
+                states = [
+                    f"rank {r} {'still running' if procs[r].is_alive() else f'exited with {procs[r].exitcode}'}"
+                    for r in range(world)
+                    if results[r] is None
+                ]
                 raise AssertionError(f"no result within {timeout:.0f} s: {', '.join(states)}") from None
             if err:
                 raise AssertionError(f"rank {rank} failed:\n{err}")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from bnsgcn.partition.graph import Graph, canonical_csr
 from torch import Tensor
 
 from bnsgcn.config import TrainConfig
 from bnsgcn.nn.model import GNN
+from bnsgcn.partition.graph import Graph, canonical_csr
 
 
 def dense_adjacency(graph: Graph) -> Tensor:
@@ -34,7 +34,18 @@ def induced_by_train_nodes(graph: Graph) -> Graph:
     edge = keep[rows] & keep[graph.indices]
     indptr, indices, _ = canonical_csr(new_id[graph.indices[edge]], new_id[rows[edge]], int(keep.sum()))
     ones = np.ones(int(keep.sum()), dtype=bool)
-    return Graph("induced", indptr, indices, graph.features[keep], graph.labels[keep], ones, ~ones, ~ones, graph.num_classes, graph.multilabel)
+    return Graph(
+        "induced",
+        indptr,
+        indices,
+        graph.features[keep],
+        graph.labels[keep],
+        ones,
+        ~ones,
+        ~ones,
+        graph.num_classes,
+        graph.multilabel,
+    )
 
 
 def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
@@ -87,7 +98,9 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     for _ in range(config.epochs):
         logits = forward(config, a, params, x)
         if graph.multilabel:
-            loss = F.binary_cross_entropy_with_logits(logits[train_mask], labels[train_mask].double(), reduction="sum") / int(train_mask.sum())
+            loss = F.binary_cross_entropy_with_logits(
+                logits[train_mask], labels[train_mask].double(), reduction="sum"
+            ) / int(train_mask.sum())
         else:
             loss = F.cross_entropy(logits[train_mask], labels[train_mask])
         opt.zero_grad()
@@ -101,8 +114,21 @@ def exact_config(model: str, precompute: bool, parts_dir, out, **overrides) -> T
     """A small configuration under which a partition-parallel run must equal :func:`train`:
     p = 1 and no dropout."""
     base = dict(
-        parts_dir=parts_dir, p=1.0, model=model, layers=3, hidden=8, heads=2, dropout=0.0, norm="layer",
-        lr=0.01, epochs=4, eval_every=0, precompute=precompute, device="cpu", out=out, seed=3,
+        parts_dir=parts_dir,
+        p=1.0,
+        model=model,
+        layers=3,
+        hidden=8,
+        heads=2,
+        dropout=0.0,
+        norm="layer",
+        lr=0.01,
+        epochs=4,
+        eval_every=0,
+        precompute=precompute,
+        device="cpu",
+        out=out,
+        seed=3,
     )
     return TrainConfig(**(base | overrides))
 
@@ -122,4 +148,10 @@ def assert_run_matches(config: TrainConfig, graph: Graph, params_by_rank: list[d
         for name, ref in ref_params.items():
             if config.norm == "batch" and _bias_before_norm(name, config.layers):
                 continue  # batch norm cancels it: its true gradient is 0 and Adam turns float noise into steps
-            torch.testing.assert_close(torch.from_numpy(params[name]).double(), ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{config.model} {config.norm} {name}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(params[name]).double(),
+                ref,
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m: f"{config.model} {config.norm} {name}: {m}",
+            )

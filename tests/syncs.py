@@ -26,7 +26,22 @@ _WRAPPERS = {str(TORCH / "_tensor.py"), str(TORCH / "functional.py"), str(TORCH 
 
 # reads of data on the host, whatever their arguments; blocking copies to the device (which
 # wait for its queue too) are recorded below
-_ALWAYS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu", "masked_select", "bincount", "unique", "unique_consecutive", "argwhere"}
+_ALWAYS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "nonzero",
+    "numpy",
+    "cpu",
+    "masked_select",
+    "bincount",
+    "unique",
+    "unique_consecutive",
+    "argwhere",
+}
 
 
 def _bool_index(index) -> bool:
@@ -118,7 +133,9 @@ def _during_epochs(start, stop, around=None):
 def instrument():
     """In a rank: record the host reads of every epoch of the next run; returns the collector."""
     recorder = SyncRecorder()
-    restore = _during_epochs(lambda: setattr(recorder, "recording", True), lambda: setattr(recorder, "recording", False), around=recorder)
+    restore = _during_epochs(
+        lambda: setattr(recorder, "recording", True), lambda: setattr(recorder, "recording", False), around=recorder
+    )
 
     def collect() -> dict[str, int]:
         restore()

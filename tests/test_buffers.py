@@ -126,8 +126,14 @@ def test_autograd_adds_a_second_gradient_into_a_pooled_one():
 def test_linear_sum_matches_its_definition_in_float64(use_pool, monkeypatch):
     monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 1)
     torch.manual_seed(1)
-    x, n = torch.randn(7, 5, dtype=torch.float64, requires_grad=True), torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    w_x, w_n = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    x, n = (
+        torch.randn(7, 5, dtype=torch.float64, requires_grad=True),
+        torch.randn(7, 3, dtype=torch.float64, requires_grad=True),
+    )
+    w_x, w_n = (
+        torch.randn(4, 5, dtype=torch.float64, requires_grad=True),
+        torch.randn(4, 3, dtype=torch.float64, requires_grad=True),
+    )
     b = torch.randn(4, dtype=torch.float64, requires_grad=True)
     with pooled(BufferPool() if use_pool else None):
         torch.testing.assert_close(linear_sum(b, (x, w_x), (n, w_n)), x @ w_x.T + n @ w_n.T + b)
@@ -144,7 +150,10 @@ def test_linear_pair_matches_its_definition_in_float64(use_pool, d_in, d_a, d_b,
     monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 1)
     torch.manual_seed(2)
     x = torch.randn(7, d_in, dtype=torch.float64, requires_grad=True)
-    w_a, w_b = torch.randn(d_a, d_in, dtype=torch.float64, requires_grad=True), torch.randn(d_b, d_in, dtype=torch.float64, requires_grad=True)
+    w_a, w_b = (
+        torch.randn(d_a, d_in, dtype=torch.float64, requires_grad=True),
+        torch.randn(d_b, d_in, dtype=torch.float64, requires_grad=True),
+    )
     b = torch.randn(d_a, dtype=torch.float64, requires_grad=True)
     with pooled(BufferPool() if use_pool else None):
         a, c = linear_pair(x, w_a, w_b, b)
@@ -209,7 +218,14 @@ def test_pooling_changes_nothing_with_sampling_and_dropout(tmp_path):
     pooled_run = run_ranks(2, [config("pooled")], instrument=pool_everything)
     plain_run = run_ranks(2, [config("plain")], instrument=pool_nothing)
     assert plain_run[0][0]["instrumented"] is None
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in line] for name in ("pooled", "plain")]
+    losses = [
+        [
+            json.loads(line)["loss"]
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line
+        ]
+        for name in ("pooled", "plain")
+    ]
     assert losses[0] == losses[1] and len(losses[0]) == 5
     for rank in range(2):
         for name, value in pooled_run[rank][0]["params"].items():

@@ -37,7 +37,13 @@ def epoch(n: int, seconds: float, evaluation: float = 0.0, val: float | None = N
 
 
 def test_reached_at_epoch_k_counts_every_epoch_before_it():
-    records = [epoch(1, 1.0, val=0.2), epoch(2, 1.0), epoch(3, 1.0, val=0.7), epoch(4, 1.0, val=0.9), {"summary": True, "best_val_score": 0.9}]
+    records = [
+        epoch(1, 1.0, val=0.2),
+        epoch(2, 1.0),
+        epoch(3, 1.0, val=0.7),
+        epoch(4, 1.0, val=0.9),
+        {"summary": True, "best_val_score": 0.9},
+    ]
     curve = validation_curve(records)
     assert curve == [(1, 1.0, 0.2), (3, 3.0, 0.7), (4, 4.0, 0.9)]
     assert time_to_accuracy(curve, 0.7) == {"target": 0.7, "epochs": 3, "seconds": 3.0}  # reaching counts: >=
@@ -56,13 +62,21 @@ def test_evaluation_time_is_excluded():
 
 
 def run(p: float, vals: list[float], config: str = "a") -> dict:
-    return {"p": p, "config": config, "val_curve": validation_curve([epoch(i + 1, 1.0, val=v) for i, v in enumerate(vals)])}
+    return {
+        "p": p,
+        "config": config,
+        "val_curve": validation_curve([epoch(i + 1, 1.0, val=v) for i, v in enumerate(vals)]),
+    }
 
 
 def test_target_is_99_percent_of_the_p1_run_of_the_same_configuration():
     full, sampled, slow, other, once, failed = (
-        run(1.0, [0.5, 0.9, 1.0]), run(0.1, [0.8, 0.99, 0.95]), run(0.01, [0.3, 0.5, 0.6]),
-        run(0.1, [0.9, 0.9], config="b"), run(0.1, [0.99]), run(0.1, [0.5, 0.5]) | {"error": "node 1 failed"},
+        run(1.0, [0.5, 0.9, 1.0]),
+        run(0.1, [0.8, 0.99, 0.95]),
+        run(0.01, [0.3, 0.5, 0.6]),
+        run(0.1, [0.9, 0.9], config="b"),
+        run(0.1, [0.99]),
+        run(0.1, [0.5, 0.5]) | {"error": "node 1 failed"},
     )
     attach_time_to_accuracy([sampled, full, slow, other, once, failed], config=lambda r: r["config"])
     assert full["time_to_accuracy"] == {"target": 0.99, "epochs": 3, "seconds": 3.0}
@@ -90,8 +104,26 @@ def test_rates_parse_as_tc_reads_them():
 
 def test_dry_run_prints_the_plan_without_root():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cluster", "--graph", TINY, "--p", "1", "0.1", "--exchange", "direct", "--link", "1gbit", "none", "--dry-run"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cluster",
+            "--graph",
+            TINY,
+            "--p",
+            "1",
+            "0.1",
+            "--exchange",
+            "direct",
+            "--link",
+            "1gbit",
+            "none",
+            "--dry-run",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -112,7 +144,9 @@ def test_without_root_one_error_line_and_exit_2():
     before = namespaces_or_empty()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: the emulated cluster needs root (network namespaces); run as root or with sudo"]
+    assert done.stderr.strip().splitlines() == [
+        "error: the emulated cluster needs root (network namespaces); run as root or with sudo"
+    ]
     assert namespaces_or_empty() == before
 
 
@@ -120,7 +154,14 @@ def test_without_tc_on_path_one_error_line_and_exit_2():
     if os.geteuid() != 0:
         pytest.skip("not root: the module stops at the root check before it looks for tools")
     env = os.environ | {"PATH": "/nonexistent"}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.cluster", "--graph", TINY], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cluster", "--graph", TINY],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: the emulated cluster needs ip, tc, unshare on PATH; install iproute2")
@@ -148,7 +189,9 @@ def netns():
 
 
 def host_veths() -> list[str]:
-    return subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return subprocess.run(
+        ["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
 
 
 def ours() -> list[str]:
@@ -160,9 +203,19 @@ def test_cluster_is_built_capped_and_removed(netns):
     with cl.emulated_cluster(2, cl.parse_rate("100mbit")) as cluster:
         assert sorted(ours()) == sorted(cluster.namespaces)
         for i in range(2):
-            eth0 = subprocess.run(["ip", "-n", cluster.node(i), "-br", "addr", "show", "dev", "eth0"], capture_output=True, text=True, check=True).stdout
+            eth0 = subprocess.run(
+                ["ip", "-n", cluster.node(i), "-br", "addr", "show", "dev", "eth0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             assert "UP" in eth0 and f"{cluster.address(i)}/24" in eth0
-            assert "UNKNOWN" in subprocess.run(["ip", "-n", cluster.node(i), "-br", "link", "show", "dev", "lo"], capture_output=True, text=True).stdout
+            assert (
+                "UNKNOWN"
+                in subprocess.run(
+                    ["ip", "-n", cluster.node(i), "-br", "link", "show", "dev", "lo"], capture_output=True, text=True
+                ).stdout
+            )
         assert host_veths() == veths  # every veth end lives in the cluster's namespaces
         before = cl.link_counters(cluster)
         gbits = cl.measure_link(cluster, mib=6)
@@ -195,9 +248,29 @@ def test_leftovers_of_a_dead_process_are_removed(netns):
 
 def test_sigterm_removes_the_cluster(netns, tmp_path):
     bench = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.cluster", "--graph", TINY, "--link", "none", "--p", "1", "--exchange", "direct",
-         "--epochs", "50", "--work", str(tmp_path), "--out", str(tmp_path / "cluster.json")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cluster",
+            "--graph",
+            TINY,
+            "--link",
+            "none",
+            "--p",
+            "1",
+            "--exchange",
+            "direct",
+            "--epochs",
+            "50",
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "cluster.json"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     prefix = f"{cl.PREFIX}-{bench.pid}-"
     deadline = time.monotonic() + 60

@@ -37,7 +37,9 @@ def kernels(request, monkeypatch):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stochastic_rounding_is_unbiased_within_one_step(bits, kernels):
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 37, generator=generator) * torch.tensor([[1e-6], [1.0], [30.0], [1.0], [5.0], [0.1]]) + torch.tensor([[0.0], [0.0], [-7.0], [100.0], [0.0], [3.0]])
+    x = torch.randn(6, 37, generator=generator) * torch.tensor(
+        [[1e-6], [1.0], [30.0], [1.0], [5.0], [0.1]]
+    ) + torch.tensor([[0.0], [0.0], [-7.0], [100.0], [0.0], [3.0]])
     step = _step_bound(x, bits)[:, None]
     draws = 4000
     total = torch.zeros_like(x, dtype=torch.float64)
@@ -82,10 +84,25 @@ def test_training_with_compressed_messages(tmp_path):
     bytes of features shrink by the row sizes; evaluation stays exact; the same seed gives
     the same run; hierarchical exchange relays compressed rows."""
     parts = partition(random_graph(num_nodes=160, avg_degree=6, seed=9), 4, tmp_path / "parts")
-    base = dict(parts_dir=parts, p=1.0, model="graphsage", layers=2, hidden=8, epochs=4, eval_every=1, precompute=False, dropout=0.0, seed=2)
+    base = dict(
+        parts_dir=parts,
+        p=1.0,
+        model="graphsage",
+        layers=2,
+        hidden=8,
+        epochs=4,
+        eval_every=1,
+        precompute=False,
+        dropout=0.0,
+        seed=2,
+    )
     runs = {
-        "none": dict(), "fp16": dict(compress="fp16"), "int8": dict(compress="int8"), "int8-again": dict(compress="int8"),
-        "int4": dict(compress="int4", compress_grad="none"), "int8-hier": dict(compress="int8", exchange="hierarchical"),
+        "none": dict(),
+        "fp16": dict(compress="fp16"),
+        "int8": dict(compress="int8"),
+        "int8-again": dict(compress="int8"),
+        "int4": dict(compress="int4", compress_grad="none"),
+        "int8-hier": dict(compress="int8", exchange="hierarchical"),
     }
     configs = [TrainConfig(**base, **extra, out=tmp_path / name) for name, extra in runs.items()]
     run_ranks(4, configs, nodes=[0, 0, 1, 1])
@@ -102,18 +119,30 @@ def test_training_with_compressed_messages(tmp_path):
     assert feature_bytes("fp16") == rows * 2 * sum(widths)
     assert feature_bytes("int8") == rows * sum(w + 4 for w in widths)
     assert feature_bytes("int4") == rows * sum((w + 1) // 2 + 4 for w in widths)
-    assert records["int4"][0]["bytes_sent_by_kind"]["gradients"] == records["none"][0]["bytes_sent_by_kind"]["gradients"]
+    assert (
+        records["int4"][0]["bytes_sent_by_kind"]["gradients"] == records["none"][0]["bytes_sent_by_kind"]["gradients"]
+    )
     for name in runs:  # evaluation rows travel exact
-        assert records[name][0]["bytes_sent_by_kind"]["evaluation"] == records["none"][0]["bytes_sent_by_kind"]["evaluation"]
+        assert (
+            records[name][0]["bytes_sent_by_kind"]["evaluation"]
+            == records["none"][0]["bytes_sent_by_kind"]["evaluation"]
+        )
     resolved = json.loads((tmp_path / "int8" / "config.json").read_text())
     assert (resolved["compress"], resolved["compress_grad"]) == ("int8", "int8")
 
 
 @pytest.mark.parametrize("flag", ["--compress", "--compress-grad"])
 def test_unknown_wire_format_is_one_line_error(tmp_path, flag):
-    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), flag, "int3"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), flag, "int3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"error: unknown wire format {flag} int3; choose from {', '.join(FORMATS)}"]
+    assert done.stderr.strip().splitlines() == [
+        f"error: unknown wire format {flag} int3; choose from {', '.join(FORMATS)}"
+    ]
 
 
 def test_gradients_of_compressed_rows_reach_their_owners():
@@ -136,12 +165,30 @@ def test_gradients_of_compressed_rows_reach_their_owners():
 def test_accuracy_benchmark_summary_states_the_targets():
     from benchmarks.compression import summarise
 
-    scores = {("none", 0): (0.80, 0.82), ("int8", 0): (0.80, 0.81), ("fp16", 0): (0.79, 0.80), ("int4", 0): (0.5, 0.5),
-              ("none", 1): (0.79, 0.81), ("int8", 1): (0.78, 0.78)}
-    runs = [{"graph": "cora", "format": f, "p": 1.0, "staleness": st, "seed": s, "test_score": score}
-            for (f, st), pair in scores.items() for s, score in enumerate(pair)]
-    rows = {(r["format"], r["staleness"]): r for r in summarise(runs + [{"graph": "cora", "format": "int8", "p": 1.0, "staleness": 0, "seed": 9, "error": "x"}])}
-    assert rows["int8", 0]["points_vs_none"] == pytest.approx(-0.5) and rows["int8", 0]["met"] is True and rows["int8", 0]["seeds"] == 2
+    scores = {
+        ("none", 0): (0.80, 0.82),
+        ("int8", 0): (0.80, 0.81),
+        ("fp16", 0): (0.79, 0.80),
+        ("int4", 0): (0.5, 0.5),
+        ("none", 1): (0.79, 0.81),
+        ("int8", 1): (0.78, 0.78),
+    }
+    runs = [
+        {"graph": "cora", "format": f, "p": 1.0, "staleness": st, "seed": s, "test_score": score}
+        for (f, st), pair in scores.items()
+        for s, score in enumerate(pair)
+    ]
+    rows = {
+        (r["format"], r["staleness"]): r
+        for r in summarise(
+            runs + [{"graph": "cora", "format": "int8", "p": 1.0, "staleness": 0, "seed": 9, "error": "x"}]
+        )
+    }
+    assert (
+        rows["int8", 0]["points_vs_none"] == pytest.approx(-0.5)
+        and rows["int8", 0]["met"] is True
+        and rows["int8", 0]["seeds"] == 2
+    )
     assert rows["fp16", 0]["points_vs_none"] == pytest.approx(-1.5) and rows["fp16", 0]["met"] is False
     assert rows["int4", 0]["met"] is None  # no target for int4
     assert rows["int8", 0]["stale_met"] is None  # staleness 0 is the baseline

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+
+from bnsgcn.config import TrainConfig
 from bnsgcn.partition.datasets import load_dataset
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import write_partition_set
-
-from bnsgcn.config import TrainConfig
 
 from .distributed import SHARED_DATA, run_ranks
 
@@ -25,9 +25,29 @@ SEEDS = (0, 1, 2)
 def test_cora_accuracy_four_ranks(tmp_path):
     graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
     parts = tmp_path / "cora-4"
-    write_partition_set(graph, assign(graph, 4, method="metis", seed=0), parts, parts=4, method_info=method_info("metis", "cut", 0), progress=False)
+    write_partition_set(
+        graph,
+        assign(graph, 4, method="metis", seed=0),
+        parts,
+        parts=4,
+        method_info=method_info("metis", "cut", 0),
+        progress=False,
+    )
     configs = [
-        TrainConfig(parts_dir=parts, p=0.1, model=model, layers=2, norm="none", weight_decay=5e-4, epochs=200, eval_every=2, seed=seed, device="cpu", out=tmp_path / f"{model}-{seed}", **flags)
+        TrainConfig(
+            parts_dir=parts,
+            p=0.1,
+            model=model,
+            layers=2,
+            norm="none",
+            weight_decay=5e-4,
+            epochs=200,
+            eval_every=2,
+            seed=seed,
+            device="cpu",
+            out=tmp_path / f"{model}-{seed}",
+            **flags,
+        )
         for model, flags, _ in MODELS
         for seed in SEEDS
     ]
@@ -36,6 +56,8 @@ def test_cora_accuracy_four_ranks(tmp_path):
     for config in configs:
         summary = json.loads((config.out / "metrics.jsonl").read_text().splitlines()[-1])
         scores.setdefault(config.model, []).append(summary["test_score"])
-    print("cora test scores (best-validation epoch):", json.dumps(scores))  # recorded in docs/benchmarks.md (pytest -rP)
+    print(
+        "cora test scores (best-validation epoch):", json.dumps(scores)
+    )  # recorded in docs/benchmarks.md (pytest -rP)
     for model, _, bar in MODELS:
         assert np.mean(scores[model]) >= bar, (model, scores[model])

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bnsgcn.partition.datasets import Progress, load_dataset
-from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.datasets import Progress, load_dataset
+from bnsgcn.partition.graph import Graph
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -62,7 +62,10 @@ def save_scipy_npz(path: Path, fmt: str, row: np.ndarray, col: np.ndarray, shape
         arrays |= {"row": np.asarray(row, dtype=np.int32), "col": np.asarray(col, dtype=np.int32)}
     else:
         order = np.lexsort((col, row))
-        arrays |= {"indices": np.asarray(col)[order].astype(np.int32), "indptr": np.concatenate(([0], np.cumsum(np.bincount(row, minlength=shape[0])))).astype(np.int32)}
+        arrays |= {
+            "indices": np.asarray(col)[order].astype(np.int32),
+            "indptr": np.concatenate(([0], np.cumsum(np.bincount(row, minlength=shape[0])))).astype(np.int32),
+        }
     np.savez_compressed(path, **arrays)
 
 
@@ -87,7 +90,9 @@ def expect_user_error(spec: str, data_dir: Path | None, *fragments: str) -> str:
 REDDIT_EDGES = [(0, 1), (1, 0), (1, 2), (2, 2), (3, 4), (3, 4), (4, 5)]
 
 
-def write_reddit(folder: Path, fmt: str = "coo", features: np.ndarray | None = None, labels: np.ndarray | None = None) -> dict:
+def write_reddit(
+    folder: Path, fmt: str = "coo", features: np.ndarray | None = None, labels: np.ndarray | None = None
+) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(1)
     data = {
@@ -208,11 +213,14 @@ def check_arxiv(graph: Graph, features: np.ndarray, labels: np.ndarray) -> None:
     np.testing.assert_array_equal(graph.test_mask, mask_of(6, [4, 5]))
 
 
-@pytest.mark.parametrize("folder, data_dir", [
-    ("ogbn_arxiv", "."),  # data_dir is the root given to OGB
-    ("arxiv", "."),  # as unzipped from arxiv.zip
-    ("mine", "mine"),  # data_dir is the dataset folder itself
-])
+@pytest.mark.parametrize(
+    "folder, data_dir",
+    [
+        ("ogbn_arxiv", "."),  # data_dir is the root given to OGB
+        ("arxiv", "."),  # as unzipped from arxiv.zip
+        ("mine", "mine"),  # data_dir is the dataset folder itself
+    ],
+)
 def test_ogb_raw_layout_is_read_by_ogb_and_symmetrised(tmp_path: Path, folder: str, data_dir: str) -> None:
     features, labels = write_ogb_raw(tmp_path / folder)
     check_arxiv(load_dataset("ogbn-arxiv", tmp_path / data_dir, progress=False), features, labels)
@@ -255,7 +263,13 @@ def test_ogb_binary_layout_unlabelled_nodes(tmp_path: Path) -> None:
     (folder / "raw").mkdir(parents=True)
     edges = np.array([(0, 1), (2, 1), (3, 4)]).T
     features = np.random.default_rng(5).standard_normal((5, 2)).astype(np.float32)
-    np.savez(folder / "raw" / "data.npz", edge_index=edges, node_feat=features, num_nodes_list=np.array([5]), num_edges_list=np.array([3]))
+    np.savez(
+        folder / "raw" / "data.npz",
+        edge_index=edges,
+        node_feat=features,
+        num_nodes_list=np.array([5]),
+        num_edges_list=np.array([3]),
+    )
     np.savez(folder / "raw" / "node-label.npz", node_label=np.array([[3.0], [np.nan], [171.0], [np.nan], [0.0]]))
     write_split(folder / "split" / "time", {"train": [0, 1], "valid": [2], "test": [4]})
     (folder / "RELEASE_v1.txt").write_text("")
@@ -274,7 +288,9 @@ def test_ogb_split_dict_is_preferred_and_unpickled_restrictedly(tmp_path: Path) 
     torch = pytest.importorskip("torch")
     features, labels = write_ogb_raw(tmp_path / "ogbn_arxiv")
     split_dict = tmp_path / "ogbn_arxiv" / "split" / "time" / "split_dict.pt"
-    torch.save({"train": np.array([5, 4]), "valid": np.array([0], dtype=np.int32), "test": np.array([1, 2, 3])}, split_dict)
+    torch.save(
+        {"train": np.array([5, 4]), "valid": np.array([0], dtype=np.int32), "test": np.array([1, 2, 3])}, split_dict
+    )
     graph = load_dataset("ogbn-arxiv", tmp_path, progress=False)
     np.testing.assert_array_equal(graph.train_mask, mask_of(6, [4, 5]))
     np.testing.assert_array_equal(graph.val_mask, mask_of(6, [0]))
@@ -291,10 +307,15 @@ def test_ogb_split_dict_is_preferred_and_unpickled_restrictedly(tmp_path: Path) 
     assert not marker.exists()
 
 
-def test_ogb_split_dict_needs_a_torch_that_restricts_unpickling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ogb_split_dict_needs_a_torch_that_restricts_unpickling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch = pytest.importorskip("torch")
     write_ogb_raw(tmp_path / "ogbn_arxiv")
-    torch.save({"train": np.array([0]), "valid": np.array([1]), "test": np.array([2])}, tmp_path / "ogbn_arxiv" / "split" / "time" / "split_dict.pt")
+    torch.save(
+        {"train": np.array([0]), "valid": np.array([1]), "test": np.array([2])},
+        tmp_path / "ogbn_arxiv" / "split" / "time" / "split_dict.pt",
+    )
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     expect_user_error("ogbn-arxiv", tmp_path, "split_dict.pt", "torch 2.5.1", "upgrade torch")
 
@@ -312,13 +333,17 @@ def test_ogb_unwritable_folder_is_refused_before_reading(tmp_path: Path) -> None
     write_ogb_raw(folder)
     # sysfs refuses new files even to root, so this is unwritable whoever runs the test
     (folder / "processed").symlink_to("/sys/kernel")
-    expect_user_error("ogbn-arxiv", tmp_path, f"cannot write to {folder / 'processed'}", "make it writable", "copy", "--data-dir")
+    expect_user_error(
+        "ogbn-arxiv", tmp_path, f"cannot write to {folder / 'processed'}", "make it writable", "copy", "--data-dir"
+    )
 
 
 # ----------------------------------------------------------------------------- npz
 
 
-def write_npz(path: Path, masks: bool, dense: bool = False, features: np.ndarray | None = None, labels: np.ndarray | None = None) -> dict:
+def write_npz(
+    path: Path, masks: bool, dense: bool = False, features: np.ndarray | None = None, labels: np.ndarray | None = None
+) -> dict:
     n = 10
     rng = np.random.default_rng(7)
     attr = (rng.random((n, 6)) < 0.4).astype(np.float32) if features is None else features
@@ -343,7 +368,11 @@ def write_npz(path: Path, masks: bool, dense: bool = False, features: np.ndarray
             "attr_shape": np.array(attr.shape),
         }
     if masks:
-        arrays |= {"train_mask": mask_of(n, [0, 1, 2, 3]), "val_mask": mask_of(n, [4, 5]), "test_mask": mask_of(n, [6, 7, 8])}
+        arrays |= {
+            "train_mask": mask_of(n, [0, 1, 2, 3]),
+            "val_mask": mask_of(n, [4, 5]),
+            "test_mask": mask_of(n, [6, 7, 8]),
+        }
     np.savez(path, **arrays)
     expected_edges = [(u, v) for u, row in enumerate(adj_rows) for v in row if (u, v) != (6, 9)]
     return {"features": attr, "labels": arrays["labels"], "edges": expected_edges}
@@ -411,7 +440,15 @@ def write_planetoid(folder: Path, name: str) -> dict:
     tx = (rng.random((4, num_features)) < 0.5).astype(np.float32) + np.eye(4)[:, :num_features]
     ty_ids = np.array([2, 1, 0, 2])
     graph = defaultdict(list, {0: [1, 2], 1: [0], 2: [0, 2], 509: [510, 300], 300: [509]})
-    parts = {"x": FakeCSR(allx[:5]), "y": ally[:5], "tx": FakeCSR(tx), "ty": np.eye(num_classes)[ty_ids], "allx": FakeCSR(allx), "ally": ally, "graph": graph}
+    parts = {
+        "x": FakeCSR(allx[:5]),
+        "y": ally[:5],
+        "tx": FakeCSR(tx),
+        "ty": np.eye(num_classes)[ty_ids],
+        "allx": FakeCSR(allx),
+        "ally": ally,
+        "graph": graph,
+    }
     folder.mkdir(parents=True, exist_ok=True)
     for part, value in parts.items():
         (folder / f"ind.{name}.{part}").write_bytes(pickle.dumps(value, protocol=2))
@@ -432,7 +469,11 @@ def test_planetoid_pickles_public_split(tmp_path: Path) -> None:
     assert graph.num_nodes == 512 and graph.num_classes == 3
     assert edge_set(graph) == symmetric_closure(expected["edges"])
     sums = expected["features"].sum(axis=1, keepdims=True)
-    np.testing.assert_allclose(graph.features, np.divide(expected["features"], sums, out=np.zeros_like(expected["features"]), where=sums > 0), rtol=1e-6)
+    np.testing.assert_allclose(
+        graph.features,
+        np.divide(expected["features"], sums, out=np.zeros_like(expected["features"]), where=sums > 0),
+        rtol=1e-6,
+    )
     np.testing.assert_array_equal(graph.labels, expected["labels"])
     assert not graph.features[[507, 510]].any()  # padded isolated test ids
     np.testing.assert_array_equal(graph.train_mask, mask_of(512, list(range(5))))
@@ -497,11 +538,14 @@ def test_synthetic_default_is_small_and_canonical() -> None:
     assert (graph.train_mask.sum(), graph.val_mask.sum(), graph.test_mask.sum()) == (3000, 1000, 1000)
 
 
-@pytest.mark.parametrize("spec, degree, homophily", [
-    ("synthetic:nodes=3000,degree=40,classes=4,homophily=0.95,seed=3", 40.0, 0.95),
-    ("synthetic:nodes=400,degree=30,classes=8,homophily=0.9", 30.0, 0.9),  # dense classes: many repeats
-    ("synthetic:nodes=2000,degree=12,classes=3,homophily=0", 12.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "spec, degree, homophily",
+    [
+        ("synthetic:nodes=3000,degree=40,classes=4,homophily=0.95,seed=3", 40.0, 0.95),
+        ("synthetic:nodes=400,degree=30,classes=8,homophily=0.9", 30.0, 0.9),  # dense classes: many repeats
+        ("synthetic:nodes=2000,degree=12,classes=3,homophily=0", 12.0, 0.0),
+    ],
+)
 def test_synthetic_degree_and_homophily(spec: str, degree: float, homophily: float) -> None:
     graph = load_dataset(spec, None, progress=False)
     assert_canonical(graph)
@@ -549,12 +593,18 @@ def test_unknown_dataset_lists_valid_names() -> None:
     expect_user_error("redit", None, "redit", "reddit", "ogbn-products", "npz:<path>", "synthetic")
 
 
-@pytest.mark.parametrize("spec, files", [
-    ("reddit", ["reddit_data.npz", "reddit_graph.npz", "data.dgl.ai"]),
-    ("yelp", ["adj_full.npz", "feats.npy", "class_map.json", "role.json", "GraphSAINT"]),
-    ("ogbn-products", ["raw/edge.csv.gz", "raw/num-edge-list.csv.gz", "split/sales_ranking/train.csv.gz", "ogb.stanford.edu"]),
-    ("pubmed", ["ind.pubmed.x", "ind.pubmed.test.index", "kimiyoung/planetoid"]),
-])
+@pytest.mark.parametrize(
+    "spec, files",
+    [
+        ("reddit", ["reddit_data.npz", "reddit_graph.npz", "data.dgl.ai"]),
+        ("yelp", ["adj_full.npz", "feats.npy", "class_map.json", "role.json", "GraphSAINT"]),
+        (
+            "ogbn-products",
+            ["raw/edge.csv.gz", "raw/num-edge-list.csv.gz", "split/sales_ranking/train.csv.gz", "ogb.stanford.edu"],
+        ),
+        ("pubmed", ["ind.pubmed.x", "ind.pubmed.test.index", "kimiyoung/planetoid"]),
+    ],
+)
 def test_missing_files_are_named(tmp_path: Path, spec: str, files: list[str]) -> None:
     expect_user_error(spec, tmp_path, str(tmp_path), *files)
 
@@ -569,7 +619,9 @@ def test_corrupt_files_are_named(tmp_path: Path) -> None:
     expect_user_error("reddit", tmp_path, "reddit_graph.npz")
     write_ogb_raw(tmp_path / "ogbn_arxiv")
     (tmp_path / "ogbn_arxiv" / "raw" / "edge.csv.gz").write_bytes(b"\x1f\x8b\x08garbage")
-    expect_user_error("ogbn-arxiv", tmp_path, str(tmp_path / "ogbn_arxiv"), "ogb package could not read", "download the dataset again")
+    expect_user_error(
+        "ogbn-arxiv", tmp_path, str(tmp_path / "ogbn_arxiv"), "ogb package could not read", "download the dataset again"
+    )
     (tmp_path / "cora").mkdir()
     for part in ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index"):
         (tmp_path / "cora" / f"ind.cora.{part}").write_bytes(b"\x80\x02truncated")
@@ -602,11 +654,16 @@ def test_npz_partial_masks_are_refused(tmp_path: Path) -> None:
     expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "train_mask, val_mask", "all three or none")
 
 
-@pytest.mark.parametrize("train, val, test, fragment", [
-    ([0, 1, 2], [2, 3], [4], "overlap"),
-    ([], [2, 3], [4], "training split is empty"),
-])
-def test_bad_npz_splits_are_refused(tmp_path: Path, train: list[int], val: list[int], test: list[int], fragment: str) -> None:
+@pytest.mark.parametrize(
+    "train, val, test, fragment",
+    [
+        ([0, 1, 2], [2, 3], [4], "overlap"),
+        ([], [2, 3], [4], "training split is empty"),
+    ],
+)
+def test_bad_npz_splits_are_refused(
+    tmp_path: Path, train: list[int], val: list[int], test: list[int], fragment: str
+) -> None:
     write_npz(tmp_path / "toy.npz", masks=False)
     arrays = dict(np.load(tmp_path / "toy.npz"))
     arrays |= {"train_mask": mask_of(10, train), "val_mask": mask_of(10, val), "test_mask": mask_of(10, test)}
@@ -619,12 +676,21 @@ def test_npz_non_bool_masks_name_the_fix(tmp_path: Path) -> None:
     arrays = dict(np.load(tmp_path / "toy.npz"))
     arrays["train_mask"] = arrays["train_mask"].astype(np.int8)
     np.savez(tmp_path / "toy.npz", **arrays)
-    expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "train mask", "dtype int8", "expected bool", "store each mask as a boolean array")
+    expect_user_error(
+        f"npz:{tmp_path / 'toy.npz'}",
+        None,
+        "train mask",
+        "dtype int8",
+        "expected bool",
+        "store each mask as a boolean array",
+    )
 
 
 def test_npz_spec_naming_another_kind_of_file(tmp_path: Path) -> None:
     (tmp_path / "edges.npz").write_text("src,dst\n0,1\n")
-    message = expect_user_error(f"npz:{tmp_path / 'edges.npz'}", None, "edges.npz", "not an .npz archive", "numpy.savez")
+    message = expect_user_error(
+        f"npz:{tmp_path / 'edges.npz'}", None, "edges.npz", "not an .npz archive", "numpy.savez"
+    )
     assert "pickle" not in message
     np.save(tmp_path / "single.npy", np.zeros(3))
     expect_user_error(f"npz:{tmp_path / 'single.npy'}", None, "single.npy", "single array", "numpy.savez")
@@ -639,14 +705,17 @@ def test_npz_float_index_arrays_are_refused(tmp_path: Path, key: str) -> None:
     expect_user_error(f"npz:{tmp_path / 'toy.npz'}", None, "toy.npz", key, "dtype float64", "expected integers")
 
 
-@pytest.mark.parametrize("spec, fragments", [
-    ("synthetic:nodez=10", ["'nodez'", "nodes", "degree", "homophily"]),
-    ("synthetic:nodes", ["'nodes'", "key=value"]),
-    ("synthetic:nodes=ten", ["nodes", "'ten'", "integer"]),
-    ("synthetic:homophily=1.5", ["homophily=1.5", "[0, 1]"]),
-    ("synthetic:train=0.9,val=0.2", ["val", "train + val < 1"]),
-    ("synthetic:nodes=100,degree=90,classes=10,homophily=1", ["degree=90", "lower degree"]),
-])
+@pytest.mark.parametrize(
+    "spec, fragments",
+    [
+        ("synthetic:nodez=10", ["'nodez'", "nodes", "degree", "homophily"]),
+        ("synthetic:nodes", ["'nodes'", "key=value"]),
+        ("synthetic:nodes=ten", ["nodes", "'ten'", "integer"]),
+        ("synthetic:homophily=1.5", ["homophily=1.5", "[0, 1]"]),
+        ("synthetic:train=0.9,val=0.2", ["val", "train + val < 1"]),
+        ("synthetic:nodes=100,degree=90,classes=10,homophily=1", ["degree=90", "lower degree"]),
+    ],
+)
 def test_bad_synthetic_specs(spec: str, fragments: list[str]) -> None:
     expect_user_error(spec, None, *fragments)
 

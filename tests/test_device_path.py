@@ -154,7 +154,11 @@ def test_epoch_account_resolves_phases_once():
     values = dict(zip(__import__("bnsgcn.metrics.accounting").accounting.COLUMNS, row))
     assert FakeEvent.log.count("synchronize") == 1
     assert values["loss_sum"] == 3.5
-    assert values["epoch_time"] == pytest.approx(0.010) and values["time_sampling"] == pytest.approx(0.002) and values["time_forward"] == pytest.approx(0.002)
+    assert (
+        values["epoch_time"] == pytest.approx(0.010)
+        and values["time_sampling"] == pytest.approx(0.002)
+        and values["time_forward"] == pytest.approx(0.002)
+    )
 
 
 def test_all_to_all_refuses_splits_nccl_would_refuse():
@@ -177,10 +181,16 @@ def test_all_to_all_refuses_splits_nccl_would_refuse():
         comm.all_to_all(torch.arange(6.0).view(2, 3).t(), [3], [3], torch.empty(3, 2), "control")
 
 
-@pytest.mark.parametrize("nccl_says, expected", [
-    ("NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60", UserError),
-    ("NCCL error in: NCCLUtils.cpp:93, unhandled system error", torch.distributed.DistBackendError),
-])
+@pytest.mark.parametrize(
+    "nccl_says, expected",
+    [
+        (
+            "NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60",
+            UserError,
+        ),
+        ("NCCL error in: NCCLUtils.cpp:93, unhandled system error", torch.distributed.DistBackendError),
+    ],
+)
 def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says, expected):
     """NCCL refuses a second rank on a GPU (two launchers on one machine, each numbering its
     GPUs from 0): the job ends in one line naming the fix; other NCCL errors pass unchanged."""
@@ -201,7 +211,10 @@ def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says,
     if expected is UserError:
         message = str(caught.value)
         assert "\n" not in message and message.startswith("rank 0 shares its GPU with another rank")
-        assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in message and "CUDA_VISIBLE_DEVICES" in message
+        assert (
+            "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in message
+            and "CUDA_VISIBLE_DEVICES" in message
+        )
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -215,7 +228,11 @@ def test_select_columns_with_host_sizes_equals_without(monkeypatch, weighted):
     indices = dense.nonzero()[:, 1]
     values = torch.rand(indices.numel()) if weighted else None
     adj = Adjacency.from_csr(indptr, indices, 14, values)
-    for keep in (torch.from_numpy(rng.random(14) < 0.5), torch.zeros(14, dtype=torch.bool), torch.ones(14, dtype=torch.bool)):
+    for keep in (
+        torch.from_numpy(rng.random(14) < 0.5),
+        torch.zeros(14, dtype=torch.bool),
+        torch.ones(14, dtype=torch.bool),
+    ):
         sizes = (int(keep.sum()), int(dense[:, keep].sum()))
         a, b = adj.select_columns(keep), adj.select_columns(keep, sizes)
         for name in Adjacency.__slots__:
@@ -256,16 +273,31 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
     configs = [
         TrainConfig(**base, model="graphsage", p=0.5, exchange="hierarchical", out=tmp_path / "sage"),
         TrainConfig(**base, model="gat", p=0.5, exchange="direct", dropout=0.3, compress="int8", out=tmp_path / "gat"),
-        TrainConfig(**base, model="gcn", p=0.5, staleness=1, exchange="hierarchical", inductive=True, out=tmp_path / "stale"),
+        TrainConfig(
+            **base, model="gcn", p=0.5, staleness=1, exchange="hierarchical", inductive=True, out=tmp_path / "stale"
+        ),
         TrainConfig(**base, model="graphsage", p=1.0, norm="batch", out=tmp_path / "full"),
-        TrainConfig(**(base | dict(layers=3)), model="gcn", p=0.5, exchange="direct", nonzero_rows="on", out=tmp_path / "nonzero"),
+        TrainConfig(
+            **(base | dict(layers=3)),
+            model="gcn",
+            p=0.5,
+            exchange="direct",
+            nonzero_rows="on",
+            out=tmp_path / "nonzero",
+        ),
     ]
     results = run_ranks(3, configs, nodes=[0, 0, 1], instrument=instrument)
     seen = {site for rank in results for result in rank for site in result["instrumented"]}
-    assert sorted(seen - SITES.keys()) == [], "new host reads in the epoch loop: remove them or list them in SITES and docs/training.md"
+    assert sorted(seen - SITES.keys()) == [], (
+        "new host reads in the epoch loop: remove them or list them in SITES and docs/training.md"
+    )
     assert sorted(SITES.keys() - seen) == [], "listed sites no longer occur: drop them from SITES and docs/training.md"
     full = {site for rank in results for site in rank[3]["instrumented"]}
-    assert {s for s in full if SITES[s] == "device"} == {"accounting.EpochAccount.row:__float__", "accounting.EpochAccount.gather:cpu", "train._evaluate:cpu"}
+    assert {s for s in full if SITES[s] == "device"} == {
+        "accounting.EpochAccount.row:__float__",
+        "accounting.EpochAccount.gather:cpu",
+        "train._evaluate:cpu",
+    }
     documented = DOCS.read_text()
     for site, kind in SITES.items():
         if kind == "device":
@@ -295,5 +327,7 @@ def test_empty_splits_every_model_with_staleness_and_inductive(tmp_path, monkeyp
         assert min(r["sampled_boundary"] for r in epochs) < 40, config.out.name
         report = json.loads((config.out / "report.json").read_text())
         island = report["ranks"][3]
-        assert island["boundary_nodes"] == 0 and island["per_epoch"]["received_features"] == island["per_epoch"]["sent_features"] == 0
-
+        assert (
+            island["boundary_nodes"] == 0
+            and island["per_epoch"]["received_features"] == island["per_epoch"]["sent_features"] == 0
+        )

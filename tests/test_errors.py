@@ -34,11 +34,33 @@ from .distributed import partition, random_graph
 PARTITION = [sys.executable, "-m", "bnsgcn.partition.cli"]
 TRAIN = [sys.executable, "-m", "bnsgcn.launch.cli"]
 # Tiny model, few epochs: every run here is about the checks around training.
-SMALL_RUN = ["--layers", "2", "--hidden", "8", "--epochs", "2", "--eval-every", "1", "--threads", "1", "--timeout", "60"]
+SMALL_RUN = [
+    "--layers",
+    "2",
+    "--hidden",
+    "8",
+    "--epochs",
+    "2",
+    "--eval-every",
+    "1",
+    "--threads",
+    "1",
+    "--timeout",
+    "60",
+]
 NUM_CLASSES = 3
 CLI_TIMEOUT_S = 240  # generous on a loaded machine; a hang still fails the test
 # Variables that would switch bnsgcn-train into one-rank mode (torchrun / srun).
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+RANK_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +123,11 @@ def good_run(good_set: Path, tmp_path_factory) -> Path:
     """A finished run (with checkpoints) on ``good_set``: the set is fine as it is."""
     work = tmp_path_factory.mktemp("good-run")
     run_dir = work / "run"
-    outcome = run_cli(TRAIN, ["--procs", "2", "--parts-dir", str(good_set), "--out", str(run_dir), "--checkpoint-every", "1", *SMALL_RUN], work)
+    outcome = run_cli(
+        TRAIN,
+        ["--procs", "2", "--parts-dir", str(good_set), "--out", str(run_dir), "--checkpoint-every", "1", *SMALL_RUN],
+        work,
+    )
     assert outcome.code == 0, outcome.stderr
     assert (run_dir / "checkpoints" / "checkpoint-000002.pt").is_file()
     return run_dir
@@ -146,11 +172,15 @@ def write_npz(path: Path, features: np.ndarray | None = None, labels: np.ndarray
     graph = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2)
     np.savez(
         path,
-        adj_indptr=graph.indptr, adj_indices=graph.indices, adj_data=np.ones(graph.indices.shape[0], np.float32),
+        adj_indptr=graph.indptr,
+        adj_indices=graph.indices,
+        adj_data=np.ones(graph.indices.shape[0], np.float32),
         adj_shape=np.array([graph.num_nodes, graph.num_nodes]),
         features=graph.features if features is None else features,
         labels=graph.labels if labels is None else labels,
-        train_mask=graph.train_mask, val_mask=graph.val_mask, test_mask=graph.test_mask,
+        train_mask=graph.train_mask,
+        val_mask=graph.val_mask,
+        test_mask=graph.test_mask,
     )
     return path
 
@@ -166,13 +196,22 @@ def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywor
 
 
 def test_partition_unknown_dataset(tmp_path, parts):
-    outcome = expect_partition_error(tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora")
+    outcome = expect_partition_error(
+        tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora"
+    )
     assert outcome.stderr.strip() == outcome.last_line  # no progress line before it
 
 
 def test_partition_missing_dataset_files(tmp_path, parts):
     (tmp_path / "empty").mkdir()
-    outcome = expect_partition_error(tmp_path, parts, ["cora", "--data-dir", str(tmp_path / "empty")], "ind.cora.x", str(tmp_path / "empty"), "--data-dir")
+    outcome = expect_partition_error(
+        tmp_path,
+        parts,
+        ["cora", "--data-dir", str(tmp_path / "empty")],
+        "ind.cora.x",
+        str(tmp_path / "empty"),
+        "--data-dir",
+    )
     assert outcome.stderr.strip() == outcome.last_line  # no progress line before it
 
 
@@ -180,7 +219,9 @@ def test_partition_labels_out_of_range(tmp_path, parts):
     labels = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2).labels.copy()
     labels[7] = -1
     path = write_npz(tmp_path / "bad-labels.npz", labels=labels)
-    expect_partition_error(tmp_path, parts, [f"npz:{path}"], "bad-labels.npz", "label -1 of node 7", "outside [0, 3)", "fix the labels")
+    expect_partition_error(
+        tmp_path, parts, [f"npz:{path}"], "bad-labels.npz", "label -1 of node 7", "outside [0, 3)", "fix the labels"
+    )
 
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf])
@@ -188,7 +229,9 @@ def test_partition_nan_or_infinite_features(tmp_path, parts, bad_value):
     features = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2).features.copy()
     features[5, 2] = bad_value
     path = write_npz(tmp_path / "bad-features.npz", features=features)
-    expect_partition_error(tmp_path, parts, [f"npz:{path}"], "bad-features.npz", "NaN or infinite", "first at node 5", "clean the features")
+    expect_partition_error(
+        tmp_path, parts, [f"npz:{path}"], "bad-features.npz", "NaN or infinite", "first at node 5", "clean the features"
+    )
 
 
 def test_partition_unwritable_output(tmp_path, unwritable_dir):
@@ -227,7 +270,19 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         (["--bucket-mb=-inf"], ["--bucket-mb -inf is not a finite number"]),
         (["--seed", str(2**64)], [f"--seed {2**64} does not fit in 64 bits"]),
     ],
-    ids=["unknown-model", "p-above-1", "p-below-0", "layers-0", "hidden-negative", "epochs-0", "lr-nan", "p-nan", "timeout-inf", "bucket-minus-inf", "seed-too-big"],
+    ids=[
+        "unknown-model",
+        "p-above-1",
+        "p-below-0",
+        "layers-0",
+        "hidden-negative",
+        "epochs-0",
+        "lr-nan",
+        "p-nan",
+        "timeout-inf",
+        "bucket-minus-inf",
+        "seed-too-big",
+    ],
 )
 def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):
     # The flag comes last so that it overrides SMALL_RUN's value.
@@ -250,12 +305,29 @@ def test_train_debug_shows_the_traceback(tmp_path, good_set, good_run):
 def test_train_more_gpus_than_present(tmp_path, good_set, good_run):
     wanted = torch.cuda.device_count() + 1
     args = ["--gpus", str(wanted), "--parts-dir", str(good_set), "--out", str(good_run), *SMALL_RUN]
-    expect_train_error(tmp_path, good_set, good_run, args, f"--gpus {wanted} needs {wanted} CUDA GPU", f"this machine has {wanted - 1}", f"--procs {wanted}")
+    expect_train_error(
+        tmp_path,
+        good_set,
+        good_run,
+        args,
+        f"--gpus {wanted} needs {wanted} CUDA GPU",
+        f"this machine has {wanted - 1}",
+        f"--procs {wanted}",
+    )
 
 
 def test_train_ranks_not_matching_parts(tmp_path, good_set, good_run):
     args = ["--procs", "3", "--parts-dir", str(good_set), "--out", str(good_run), *SMALL_RUN]
-    expect_train_error(tmp_path, good_set, good_run, args, "3 ranks but partition set", "has 2 partitions", "--procs 2", "re-partition into 3 parts")
+    expect_train_error(
+        tmp_path,
+        good_set,
+        good_run,
+        args,
+        "3 ranks but partition set",
+        "has 2 partitions",
+        "--procs 2",
+        "re-partition into 3 parts",
+    )
 
 
 def test_train_master_port_in_use(tmp_path, good_set, good_run):
@@ -272,7 +344,15 @@ def test_train_newer_format_version(tmp_path, parts, good_run):
     manifest = json.loads(manifest_path.read_text())
     manifest["version"] = 99
     manifest_path.write_text(json.dumps(manifest))
-    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "format version 99", "newer than this bnsgcn reads", "upgrade bnsgcn")
+    expect_train_error(
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "format version 99",
+        "newer than this bnsgcn reads",
+        "upgrade bnsgcn",
+    )
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
@@ -292,7 +372,17 @@ def test_train_manifest_missing_or_corrupt(tmp_path, parts, good_run, damage):
 
 def test_train_incomplete_set(tmp_path, parts, good_run):
     shutil.rmtree(parts / "part-1")
-    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run), "rank 1 failed (exit code 2)", "part-1", "is missing", "incomplete", "bnsgcn-partition --force")
+    expect_train_error(
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "rank 1 failed (exit code 2)",
+        "part-1",
+        "is missing",
+        "incomplete",
+        "bnsgcn-partition --force",
+    )
 
 
 def test_train_truncated_array_is_caught_by_the_size_check(tmp_path, parts, good_run):
@@ -301,8 +391,14 @@ def test_train_truncated_array_is_caught_by_the_size_check(tmp_path, parts, good
     with open(features, "r+b") as handle:
         handle.truncate(size - 64)
     expect_train_error(
-        tmp_path, parts, good_run, train_on(parts, good_run),
-        "rank 1 failed", str(features), f"has {size - 64} bytes, the manifest says {size}", "truncated or corrupt",
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "rank 1 failed",
+        str(features),
+        f"has {size - 64} bytes, the manifest says {size}",
+        "truncated or corrupt",
     )
 
 
@@ -311,7 +407,16 @@ def test_train_flipped_bytes_are_caught_with_verify(tmp_path, parts, good_run):
     data = bytearray(indices.read_bytes())
     data[-8:] = bytes(255 - b for b in data[-8:])  # same size, different content
     indices.write_bytes(bytes(data))
-    expect_train_error(tmp_path, parts, good_run, train_on(parts, good_run, "--verify"), "rank 0 failed", str(indices), "fails its SHA-256 checksum", "corrupt")
+    expect_train_error(
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run, "--verify"),
+        "rank 0 failed",
+        str(indices),
+        "fails its SHA-256 checksum",
+        "corrupt",
+    )
 
 
 def edit_array(path: Path, edit) -> None:
@@ -329,8 +434,14 @@ def test_train_labels_out_of_range_in_an_edited_set(tmp_path, parts, good_run):
     edit_array(labels, lambda array: array.__setitem__(3, NUM_CLASSES + 4))
     node = int(np.load(parts / "part-0" / "inner_nodes.npy")[3])
     expect_train_error(
-        tmp_path, parts, good_run, train_on(parts, good_run),
-        "rank 0 failed", str(labels), f"labels that are not in [0, {NUM_CLASSES}) (first at node {node})", "re-partition",
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "rank 0 failed",
+        str(labels),
+        f"labels that are not in [0, {NUM_CLASSES}) (first at node {node})",
+        "re-partition",
     )
 
 
@@ -340,9 +451,15 @@ def test_train_adjacency_out_of_range_in_an_edited_set(tmp_path, parts, good_run
     indices = parts / "part-1" / "adj_indices.npy"
     edit_array(indices, lambda array: array.__setitem__(0, 10**6))
     expect_train_error(
-        tmp_path, parts, good_run, train_on(parts, good_run),
-        "rank 1 failed", str(parts / "part-1" / "adj_indptr.npy"), "adj_indices.npy do not form this partition's adjacency",
-        "CSR column ids must lie in", "re-run bnsgcn-partition --force",
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "rank 1 failed",
+        str(parts / "part-1" / "adj_indptr.npy"),
+        "adj_indices.npy do not form this partition's adjacency",
+        "CSR column ids must lie in",
+        "re-run bnsgcn-partition --force",
     )
 
 
@@ -351,8 +468,14 @@ def test_train_nan_features_in_an_edited_set(tmp_path, parts, good_run):
     edit_array(features, lambda array: array.__setitem__((2, 1), np.nan))
     node = int(np.load(parts / "part-1" / "inner_nodes.npy")[2])
     expect_train_error(
-        tmp_path, parts, good_run, train_on(parts, good_run),
-        "rank 1 failed", str(features), f"NaN or infinite values (first at node {node})", "re-partition",
+        tmp_path,
+        parts,
+        good_run,
+        train_on(parts, good_run),
+        "rank 1 failed",
+        str(features),
+        f"NaN or infinite values (first at node {node})",
+        "re-partition",
     )
 
 
@@ -372,7 +495,9 @@ def test_multilabel_targets_outside_0_1_in_an_edited_set(tmp_path):
 
 def test_train_unwritable_output_dir(tmp_path, good_set, good_run, unwritable_dir):
     out = unwritable_dir / "run"
-    expect_train_error(tmp_path, good_set, good_run, train_on(good_set, out), f"cannot write {out}", "pass a writable --out")
+    expect_train_error(
+        tmp_path, good_set, good_run, train_on(good_set, out), f"cannot write {out}", "pass a writable --out"
+    )
 
 
 def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritable_dir):
@@ -380,8 +505,12 @@ def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritabl
     run_dir.mkdir()
     (run_dir / "checkpoints").symlink_to(unwritable_dir)
     expect_train_error(
-        tmp_path, good_set, good_run, train_on(good_set, run_dir, "--checkpoint-every", "1"),
-        f"cannot write {run_dir / 'checkpoints'}", "pass a writable --out",
+        tmp_path,
+        good_set,
+        good_run,
+        train_on(good_set, run_dir, "--checkpoint-every", "1"),
+        f"cannot write {run_dir / 'checkpoints'}",
+        "pass a writable --out",
     )
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]  # nothing trained, nothing written
 
@@ -389,7 +518,15 @@ def test_train_unwritable_checkpoint_dir(tmp_path, good_set, good_run, unwritabl
 def test_train_fresh_run_over_an_earlier_runs_checkpoints(tmp_path, good_set, good_run):
     # Without --resume a new run would mix its checkpoints with the earlier run's, and a
     # later --resume could continue the wrong one.
-    expect_train_error(tmp_path, good_set, good_run, train_on(good_set, good_run), f"{good_run} holds the checkpoints of an earlier run", "pass --resume", "a new --out")
+    expect_train_error(
+        tmp_path,
+        good_set,
+        good_run,
+        train_on(good_set, good_run),
+        f"{good_run} holds the checkpoints of an earlier run",
+        "pass --resume",
+        "a new --out",
+    )
 
 
 def test_train_failed_start_leaves_no_run_directory(tmp_path, parts):

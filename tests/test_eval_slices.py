@@ -55,7 +55,9 @@ def _check_logits(configs, results, graph, world):
                 assert slices > config.layers, label  # really sliced: several slices per exchanging layer
                 # bit-identical: each output column is the same sum, in the same order, whatever the slice
                 np.testing.assert_array_equal(sliced, unsliced, err_msg=label)
-            np.testing.assert_allclose(records[-1][0], expected[inner[rank]].numpy(), rtol=1e-4, atol=1e-5, err_msg=label)
+            np.testing.assert_allclose(
+                records[-1][0], expected[inner[rank]].numpy(), rtol=1e-4, atol=1e-5, err_msg=label
+            )
 
 
 @pytest.mark.parametrize("buffer_mib", [ONE_COLUMN, A_FEW_COLUMNS])
@@ -64,7 +66,9 @@ def test_sliced_evaluation_equals_unsliced_and_reference(tmp_path, buffer_mib):
     graph = random_graph(num_nodes=60, avg_degree=5, seed=21)
     parts = partition(graph, world, tmp_path / "parts", method="random")
     configs = [
-        reference.exact_config(m, pre, parts, tmp_path / f"run-{m}-{pre}", epochs=1, eval_buffer_mib=buffer_mib, exchange="direct")
+        reference.exact_config(
+            m, pre, parts, tmp_path / f"run-{m}-{pre}", epochs=1, eval_buffer_mib=buffer_mib, exchange="direct"
+        )
         for m, pre in VARIANTS
     ]
     results = run_ranks(world, configs, instrument=record_logits)
@@ -77,7 +81,9 @@ def test_sliced_evaluation_with_node_aware_exchange(tmp_path):
     graph = random_graph(num_nodes=80, avg_degree=5, seed=22)
     parts = partition(graph, world, tmp_path / "parts", method="random")
     configs = [
-        reference.exact_config(m, pre, parts, tmp_path / f"run-{m}-{pre}", epochs=1, eval_buffer_mib=ONE_COLUMN, exchange="hierarchical")
+        reference.exact_config(
+            m, pre, parts, tmp_path / f"run-{m}-{pre}", epochs=1, eval_buffer_mib=ONE_COLUMN, exchange="hierarchical"
+        )
         for m, pre in [("graphsage", False), ("gcn", True), ("gat", False)]
     ]
     results = run_ranks(world, configs, nodes=[0, 0, 1, 1], instrument=record_logits)
@@ -87,8 +93,15 @@ def test_sliced_evaluation_with_node_aware_exchange(tmp_path):
 def test_slice_width_bounds_both_buffers():
     """Columns per slice: the send buffer (rows sent and relayed) and the receive buffer
     each at most the budget, at least one column, at most all of them."""
+
     def plan(sent: int, received: int, relayed: int | None = None) -> ExchangePlan:
-        relay = None if relayed is None else Relay(torch.zeros(relayed, dtype=torch.int64), [relayed], [0], torch.zeros(received, dtype=torch.int64))
+        relay = (
+            None
+            if relayed is None
+            else Relay(
+                torch.zeros(relayed, dtype=torch.int64), [relayed], [0], torch.zeros(received, dtype=torch.int64)
+            )
+        )
         return ExchangePlan(torch.zeros(sent, dtype=torch.int64), [sent], [received], relay)
 
     assert evaluate.slice_width(plan(10, 20), (64,), 4, 20 * 4 * 5) == 5  # receive-bound
@@ -107,7 +120,16 @@ def test_report_shows_smaller_evaluation_buffers(tmp_path):
     parts = partition(graph, 2, tmp_path / "parts", method="random")
     budget = 1e-3  # MiB (1,048 bytes): a few of 16 columns
     configs = [
-        reference.exact_config("graphsage", False, parts, tmp_path / f"buffer-{mib}", hidden=16, epochs=2, eval_every=1, eval_buffer_mib=mib)
+        reference.exact_config(
+            "graphsage",
+            False,
+            parts,
+            tmp_path / f"buffer-{mib}",
+            hidden=16,
+            epochs=2,
+            eval_every=1,
+            eval_buffer_mib=mib,
+        )
         for mib in (0.0, budget)
     ]
     results = run_ranks(2, configs)

@@ -7,7 +7,13 @@ import pytest
 from . import reference
 from .distributed import partition, random_graph, run_ranks
 
-VARIANTS = [("graphsage", True), ("graphsage", False), ("gcn", True), ("gcn", False), ("gat", False)]  # gat: --precompute is refused (not exact)
+VARIANTS = [
+    ("graphsage", True),
+    ("graphsage", False),
+    ("gcn", True),
+    ("gcn", False),
+    ("gat", False),
+]  # gat: --precompute is refused (not exact)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -21,7 +21,9 @@ def test_product_and_one_gradient_for_both_uses(into_given, nonzero_rows):
     ``--nonzero-rows`` the rows' gradients reach the nonzero entries alone."""
     g = torch.Generator().manual_seed(11)
     n, d = 14, 6
-    dense = (torch.rand(n, n, generator=g, dtype=torch.float64) < 0.3).to(torch.float64) * (torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5)
+    dense = (torch.rand(n, n, generator=g, dtype=torch.float64) < 0.3).to(torch.float64) * (
+        torch.rand(n, n, generator=g, dtype=torch.float64) + 0.5
+    )
     rows_of, cols_of = dense.nonzero(as_tuple=True)
     indptr = torch.zeros(n + 1, dtype=torch.int64)
     indptr[1:] = torch.bincount(rows_of, minlength=n).cumsum(0)
@@ -30,14 +32,19 @@ def test_product_and_one_gradient_for_both_uses(into_given, nonzero_rows):
     x0[torch.rand(n, d, generator=g) < 0.4] = 0.0  # a ReLU's output, for --nonzero-rows
     index = torch.tensor([3, 0, 9, 3, 13, 3])
     plan = ExchangePlan(index, [len(index)], [len(index)])
-    w, v = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(len(index), d, generator=g, dtype=torch.float64)
+    w, v = (
+        torch.randn(n, d, generator=g, dtype=torch.float64),
+        torch.randn(len(index), d, generator=g, dtype=torch.float64),
+    )
     into0 = torch.randn(n, d, generator=g, dtype=torch.float64)
 
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=5.0)
     x = x0.clone().requires_grad_(True)
     into = into0.clone().requires_grad_(True) if into_given else None
     base = into * 1.0 if into_given else None  # an operation's output, summed into in place
-    flight, product = BoundaryExchange(comm, nonzero_rows=nonzero_rows).start_aggregating(x, plan, 0, adj, base, zeros_need_no_gradient=True)
+    flight, product = BoundaryExchange(comm, nonzero_rows=nonzero_rows).start_aggregating(
+        x, plan, 0, adj, base, zeros_need_no_gradient=True
+    )
     rows = flight.wait()
     ((product * w).sum() + (rows * v).sum()).backward()
 
@@ -59,7 +66,9 @@ def test_the_product_alone_needs_no_rows_gradient():
     gradient alone (nothing waits for row gradients that were never sent)."""
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=5.0)
     dense = torch.tensor([[1.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
-    adj = Adjacency.from_csr(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1]), 2, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64))
+    adj = Adjacency.from_csr(
+        torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1]), 2, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
+    )
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 3, dtype=torch.float64)
     _, product = BoundaryExchange(comm).start_aggregating(x * 1.0, ExchangePlan(torch.tensor([1]), [1], [1]), 0, adj)

@@ -40,8 +40,28 @@ CHECKPOINT_EVERY = 2
 TIMEOUT_S = 30  # --timeout of the jobs here
 # p < 1 and dropout > 0: a resumed run must reproduce boundary sampling and dropout.
 FLAGS = [
-    "--epochs", str(EPOCHS), "--p", "0.5", "--dropout", "0.3", "--layers", "2", "--hidden", "16", "--lr", "0.02", "--seed", "3",
-    "--eval-every", "2", "--checkpoint-every", str(CHECKPOINT_EVERY), "--threads", "1", "--timeout", str(TIMEOUT_S),
+    "--epochs",
+    str(EPOCHS),
+    "--p",
+    "0.5",
+    "--dropout",
+    "0.3",
+    "--layers",
+    "2",
+    "--hidden",
+    "16",
+    "--lr",
+    "0.02",
+    "--seed",
+    "3",
+    "--eval-every",
+    "2",
+    "--checkpoint-every",
+    str(CHECKPOINT_EVERY),
+    "--threads",
+    "1",
+    "--timeout",
+    str(TIMEOUT_S),
 ]
 START_S = 240  # for a job to start and write its first epochs, on a loaded machine
 FINISH_S = 300  # for a short job to run to its end
@@ -58,7 +78,15 @@ def job_env() -> dict[str, str]:
 def start(command: list[str], cwd: Path, name: str) -> subprocess.Popen:
     """Start ``command`` in its own process group; its output goes to ``cwd/name.out|err``."""
     with open(cwd / f"{name}.out", "w") as stdout, open(cwd / f"{name}.err", "w") as stderr:
-        job = subprocess.Popen(command, cwd=cwd, env=job_env(), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+        job = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=job_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
     job.stderr_path = cwd / f"{name}.err"  # for failure messages: why a job ended early
     return job
 
@@ -164,7 +192,10 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
     for name in ("loss", "sampled_boundary", "train_score", "val_score", "test_score"):
         assert [r.get(name) for r in got] == [r.get(name) for r in want], name
     assert_same_state(final_model(run_dir), final_model(reference))
-    assert_same_state(torch.load(run_dir / "best_model.pt", weights_only=True), torch.load(reference / "best_model.pt", weights_only=True))
+    assert_same_state(
+        torch.load(run_dir / "best_model.pt", weights_only=True),
+        torch.load(reference / "best_model.pt", weights_only=True),
+    )
     assert sum(1 for r in records(run_dir) if r.get("summary")) == 1
 
 
@@ -232,7 +263,9 @@ def assert_killed_rank_is_named(tmp_path: Path, args: list[str], started=None) -
     assert_all_gone(processes, run_dir)
 
 
-def run_with_rank_one_hung(tmp_path: Path, args: list[str], timeout_s: float) -> tuple[subprocess.Popen, list[psutil.Process], float]:
+def run_with_rank_one_hung(
+    tmp_path: Path, args: list[str], timeout_s: float
+) -> tuple[subprocess.Popen, list[psutil.Process], float]:
     """Start the job, suspend rank 1 (SIGSTOP: alive but silent, as a hung rank) after the
     first epoch; return the ended job, its processes and seconds from the suspension to its end."""
     run_dir = Path(args[args.index("--out") + 1])
@@ -266,7 +299,9 @@ def assert_hung_rank_named(tmp_path: Path, args: list[str], timeout_s: float, la
 
 def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
     timeout_s = 5
-    args = train_args(parts, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s))
+    args = train_args(
+        parts, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s)
+    )
     # rank 0 names the timeout, and the hung rank from the progress every rank reports through the store
     pattern = r"^error: rank 0 failed \(exit code 4\): error: \[rank 0\] communication with the other ranks failed: Timed out.*; rank 1 stopped at epoch \d+ while the others waited$"
     assert_hung_rank_named(tmp_path, args, timeout_s, pattern)
@@ -276,7 +311,20 @@ def test_rank_killed_on_another_node_ends_both_nodes(tmp_path):
     # Two launchers with --nnodes 2 (as on two machines): rank 3, on the second, is killed.
     parts = partition(random_graph(num_nodes=160, avg_degree=5, seed=4), 4, tmp_path / "parts" / "graph-4")
     run_dir, port = tmp_path / "run", str(free_port())
-    common = ["--procs", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--parts-dir", str(parts), "--out", str(run_dir)]
+    common = [
+        "--procs",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--parts-dir",
+        str(parts),
+        "--out",
+        str(run_dir),
+    ]
     flags = [*FLAGS, "--epochs", "100000", "--checkpoint-every", "0"]
     nodes = [start([*TRAIN, *common, "--node-rank", str(n), *flags], tmp_path, f"node{n}") for n in (0, 1)]
     try:
@@ -318,7 +366,9 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, parts, reference_run):
     finally:
         kill_job(job)
     killed_at = last_epoch(run_dir)
-    assert killed_at < EPOCHS and not any(r.get("summary") for r in records(run_dir)), "the run ended before it was killed"
+    assert killed_at < EPOCHS and not any(r.get("summary") for r in records(run_dir)), (
+        "the run ended before it was killed"
+    )
 
     resumed = run_cli(TRAIN, train_args(parts, run_dir, "--resume"), tmp_path)
     assert resumed.code == 0, resumed.stderr
@@ -338,7 +388,11 @@ def test_resume_refuses_a_checkpoint_of_another_run(parts, reference_run, tmp_pa
     outcome = run_cli(TRAIN, args, tmp_path)
     assert outcome.code == 2, outcome.stderr
     assert outcome.last_line.startswith("error: rank "), outcome.stderr
-    for keyword in (f"checkpoint-{EPOCHS:06d}.pt was written for a different run", differ, "resume with the same partition set and model flags, or pass a new --out"):
+    for keyword in (
+        f"checkpoint-{EPOCHS:06d}.pt was written for a different run",
+        differ,
+        "resume with the same partition set and model flags, or pass a new --out",
+    ):
         assert keyword in outcome.last_line
     assert "Traceback" not in outcome.stderr
     assert_kept(before, reference_run)
@@ -350,8 +404,16 @@ def test_resume_refuses_a_checkpoint_of_another_run(parts, reference_run, tmp_pa
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, parts, reference_run):
     run_dir = tmp_path / "run"
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--monitor-interval", "0.5",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
     ]
     job = start([*torchrun, "-m", "bnsgcn.launch.cli", *train_args(parts, run_dir)], tmp_path, "elastic")
     try:

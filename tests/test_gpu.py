@@ -21,11 +21,19 @@ from . import reference
 from .distributed import partition, random_graph, run_ranks
 from .syncs import instrument_cuda_syncs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible: the GPU tests need one (they are not a pass here)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU visible: the GPU tests need one (they are not a pass here)"
+)
 
 MODELS = [("graphsage", True), ("graphsage", False), ("gcn", True), ("gcn", False), ("gat", False)]
 # the device reads of docs/training.md ("Device synchronisations in the epoch loop"), by function
-DEVICE_SYNC_FUNCTIONS = {"exchange.exchange_selections", "hierarchy.NodeAwarePlanner.sample", "accounting.EpochAccount.row", "accounting.EpochAccount.gather", "train._evaluate"}
+DEVICE_SYNC_FUNCTIONS = {
+    "exchange.exchange_selections",
+    "hierarchy.NodeAwarePlanner.sample",
+    "accounting.EpochAccount.row",
+    "accounting.EpochAccount.gather",
+    "train._evaluate",
+}
 
 
 def _records(run_dir) -> list[dict]:
@@ -47,7 +55,10 @@ def test_cuda_rank_equals_cpu_rank_and_the_reference(tmp_path, one_part, model, 
     """p = 1, one rank: the CUDA run's losses, scores and parameters equal the CPU run's
     (float tolerance) and the float64 reference's; evaluation every epoch."""
     graph, parts = one_part
-    configs = [reference.exact_config(model, precompute, parts, tmp_path / device, device=device, eval_every=1) for device in ("cuda", "cpu")]
+    configs = [
+        reference.exact_config(model, precompute, parts, tmp_path / device, device=device, eval_every=1)
+        for device in ("cuda", "cpu")
+    ]
     results = run_ranks(1, configs)
     cuda, cpu = (_epochs(c.out) for c in configs)
     assert [r["loss"] for r in cuda] == pytest.approx([r["loss"] for r in cpu], rel=1e-5, abs=1e-6)
@@ -86,9 +97,13 @@ def test_checkpoint_resumes_across_devices(tmp_path, one_part, first, then):
     equal an uninterrupted 4-epoch run on the first device (float tolerance)."""
     graph, parts = one_part
     straight = reference.exact_config("gat", False, parts, tmp_path / "straight", device=first, epochs=4, dropout=0.0)
-    interrupted = reference.exact_config("gat", False, parts, tmp_path / "resumed", device=first, epochs=2, checkpoint_every=2)
+    interrupted = reference.exact_config(
+        "gat", False, parts, tmp_path / "resumed", device=first, epochs=2, checkpoint_every=2
+    )
     run_ranks(1, [straight, interrupted])
-    resumed = reference.exact_config("gat", False, parts, tmp_path / "resumed", device=then, epochs=4, checkpoint_every=2, resume=True)
+    resumed = reference.exact_config(
+        "gat", False, parts, tmp_path / "resumed", device=then, epochs=4, checkpoint_every=2, resume=True
+    )
     run_ranks(1, [resumed])
     losses = [r["loss"] for r in _epochs(resumed.out)]
     assert len(losses) == 4
@@ -136,9 +151,13 @@ def test_nonzero_rows_kernels_on_cuda_equal_the_cpu_ones():
         values = torch.empty(400 * 37, device=device)
         offsets = module.pack_nonzero_rows(x.to(device), index.to(device), bits, values)
         count = int(offsets[-1])
-        rows = module.unpack_nonzero_rows(bits, torch.cat([values[:count], values.new_zeros(1)]), torch.empty(400, 37, device=device))
+        rows = module.unpack_nonzero_rows(
+            bits, torch.cat([values[:count], values.new_zeros(1)]), torch.empty(400, 37, device=device)
+        )
         gathered = module.gather_nonzero(grads.to(device), bits, torch.empty(count + 1, device=device))
-        scattered = module.scatter_nonzero_rows(index.to(device), bits, torch.cat([gathered, gathered.new_zeros(1)]), (500, 37))
+        scattered = module.scatter_nonzero_rows(
+            index.to(device), bits, torch.cat([gathered, gathered.new_zeros(1)]), (500, 37)
+        )
         results[name] = [t.cpu() for t in (bits, offsets, values[:count], rows, gathered, scattered)]
     for a, b in zip(results["cpu"][:5], results["cuda"][:5]):
         assert torch.equal(a, b)

@@ -16,12 +16,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu", *args], cwd=REPO, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", *args], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
 
 
 def test_quick_cpu_run_writes_every_measurement(tmp_path):
     pyg = importlib.util.find_spec("torch_geometric") is not None
-    done = _bench("--device", "cpu", "--quick", "--threads", "1", "--work", str(tmp_path / "work"), "--results", str(tmp_path), *([] if pyg else ["--skip-pyg"]))
+    done = _bench(
+        "--device",
+        "cpu",
+        "--quick",
+        "--threads",
+        "1",
+        "--work",
+        str(tmp_path / "work"),
+        "--results",
+        str(tmp_path),
+        *([] if pyg else ["--skip-pyg"]),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     document = json.loads((tmp_path / "gpu-quick.json").read_text())
     assert document["machine"]["device"] == "cpu" and document["machine"]["copy_bandwidth_gb_s"] > 0
@@ -34,12 +47,16 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
     for key, run in runs.items():
         assert "error" not in run, (key, run.get("error"))
         assert run["epoch_time_s"] > 0 and len(run["epoch_times_s"]) == 4, key
-        assert run.get("peak_device_allocated_bytes") is None and run["peak_rss_bytes"] > 0, key  # CPU: no device figure
+        assert run.get("peak_device_allocated_bytes") is None and run["peak_rss_bytes"] > 0, (
+            key
+        )  # CPU: no device figure
     products = {(r["product"], r["width"]) for r in document["spmm"]}
     assert products == {(p, w) for p in ("A X", "A^T Y") for w in (16, 128)}
     for row in document["spmm"]:
         assert row["seconds"] > 0 and row["bytes_compulsory"] < row["bytes_gathered"]
-        assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["bytes_compulsory"] / row["seconds"] / (document["machine"]["copy_bandwidth_gb_s"] * 1e9))
+        assert row["fraction_of_copy_bandwidth"] == pytest.approx(
+            row["bytes_compulsory"] / row["seconds"] / (document["machine"]["copy_bandwidth_gb_s"] * 1e9)
+        )
     profiles = {r["model"]: r for r in document["profiles"]}
     assert set(profiles) == {"graphsage", "gat"}
     for model, profile in profiles.items():
@@ -53,7 +70,9 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_without_a_gpu_is_one_line():
     done = _bench("--device", "cuda")
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU"
+    ]
 
 
 def test_every_measurement_is_saved_and_later_calls_merge(tmp_path):
@@ -66,10 +85,20 @@ def test_every_measurement_is_saved_and_later_calls_merge(tmp_path):
     def run(model: str, seconds: float) -> dict:
         return {"graph": "reference", "model": model, "impl": "bnsgcn", "epoch_time_s": seconds}
 
-    first = {"machine": machine, "graphs": {"reference": {"source": "make_reference_graph.py", "error": None}}, "runs": [run("graphsage", 1.0)], "spmm": []}
+    first = {
+        "machine": machine,
+        "graphs": {"reference": {"source": "make_reference_graph.py", "error": None}},
+        "runs": [run("graphsage", 1.0)],
+        "spmm": [],
+    }
     save(tmp_path, "gpu", first)
     assert [r["epoch_time_s"] for r in json.loads((tmp_path / "gpu.json").read_text())["runs"]] == [1.0]
-    second = {"machine": machine, "graphs": {"reference": {"source": "reused", "error": None}}, "runs": [run("gat", 3.0), run("graphsage", 2.0)], "spmm": []}
+    second = {
+        "machine": machine,
+        "graphs": {"reference": {"source": "reused", "error": None}},
+        "runs": [run("gat", 3.0), run("graphsage", 2.0)],
+        "spmm": [],
+    }
     save(tmp_path, "gpu", second)
     document = json.loads((tmp_path / "gpu.json").read_text())
     assert document["graphs"]["reference"]["source"] == "make_reference_graph.py"

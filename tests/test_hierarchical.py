@@ -31,7 +31,21 @@ from .distributed import (
 
 RANKS_PER_NODE = 2
 SEED = 5
-FLAGS = ["--model", "graphsage", "--layers", "2", "--hidden", "8", "--no-precompute", "--epochs", "3", "--eval-every", "0", "--seed", str(SEED)]
+FLAGS = [
+    "--model",
+    "graphsage",
+    "--layers",
+    "2",
+    "--hidden",
+    "8",
+    "--no-precompute",
+    "--epochs",
+    "3",
+    "--eval-every",
+    "0",
+    "--seed",
+    str(SEED),
+]
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -41,9 +55,27 @@ def _records(run_dir: Path) -> list[dict]:
 def _two_nodes(parts: Path, out: Path, p: float, exchange: str) -> list[dict]:
     """The job as two machines of two ranks each: two launcher invocations on 127.0.0.1."""
     port = str(free_port())
-    command = [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts), *FLAGS, "--p", str(p), "--exchange", exchange, "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "bnsgcn.launch.cli",
+        "--parts-dir",
+        str(parts),
+        *FLAGS,
+        "--p",
+        str(p),
+        "--exchange",
+        exchange,
+        "--out",
+        str(out),
+    ]
     nodes = [
-        subprocess.Popen([*command, "--procs", "2", "--nnodes", "2", "--node-rank", str(i), "--master-port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, "--procs", "2", "--nnodes", "2", "--node-rank", str(i), "--master-port", port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(2)
     ]
     for node in nodes:
@@ -76,7 +108,9 @@ def parts(tmp_path_factory) -> Path:
 
 
 def test_two_launched_nodes_hierarchical_equals_direct_with_fewer_inter_node_bytes(parts, tmp_path):
-    runs = {(p, x): _two_nodes(parts, tmp_path / f"{x}-{p}", p, x) for p in (1.0, 0.5) for x in ("direct", "hierarchical")}
+    runs = {
+        (p, x): _two_nodes(parts, tmp_path / f"{x}-{p}", p, x) for p in (1.0, 0.5) for x in ("direct", "hierarchical")
+    }
     direct_rows, hier_rows = _predicted_inter_node_rows(parts, 1.0, 0)
     assert hier_rows < direct_rows  # the graph replicates rows, or the test shows nothing
     # Bytes of one row over the epoch's layers, from the direct run at p = 1 and its prediction.
@@ -114,22 +148,39 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
     """5 ranks on nodes of 3 and 2: losses and parameters as with direct exchange."""
     parts = partition(random_graph(num_nodes=150, avg_degree=5, seed=4), 5, tmp_path / "parts")
     configs = [
-        TrainConfig(parts_dir=parts, layers=2, hidden=8, heads=2, epochs=3, eval_every=1, seed=3, exchange=x, out=tmp_path / f"{i}-{x}", **kw)
+        TrainConfig(
+            parts_dir=parts,
+            layers=2,
+            hidden=8,
+            heads=2,
+            epochs=3,
+            eval_every=1,
+            seed=3,
+            exchange=x,
+            out=tmp_path / f"{i}-{x}",
+            **kw,
+        )
         for i, kw in enumerate(CONFIGS)
         for x in ("direct", "hierarchical")
     ]
     results = run_ranks(5, configs, nodes=[0, 0, 0, 1, 1])
     for i in range(0, len(configs), 2):
         direct, hier = results[0][i], results[0][i + 1]
-        assert [r["loss"] for r in _records(configs[i + 1].out)] == pytest.approx([r["loss"] for r in _records(configs[i].out)], rel=1e-5), CONFIGS[i // 2]
+        assert [r["loss"] for r in _records(configs[i + 1].out)] == pytest.approx(
+            [r["loss"] for r in _records(configs[i].out)], rel=1e-5
+        ), CONFIGS[i // 2]
         assert hier["best_val_score"] == direct["best_val_score"]
         for name, value in direct["params"].items():
-            np.testing.assert_allclose(hier["params"][name], value, rtol=1e-4, atol=1e-6, err_msg=f"{CONFIGS[i // 2]} {name}")
+            np.testing.assert_allclose(
+                hier["params"][name], value, rtol=1e-4, atol=1e-6, err_msg=f"{CONFIGS[i // 2]} {name}"
+            )
 
 
 def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
     parts = partition(random_graph(num_nodes=80, avg_degree=4, seed=2), 2, tmp_path / "parts")
-    config = lambda name: TrainConfig(parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name)  # noqa: E731
+    config = lambda name: TrainConfig(
+        parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name
+    )  # noqa: E731
     run_ranks(2, [config("one-node")])
     # one rank per node: nothing to relay. On CPU: emulated nodes share this machine's GPUs,
     # so --device auto would put both ranks on GPU 0.
@@ -143,9 +194,16 @@ def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
 
 
 def test_unknown_exchange_is_one_line_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), "--exchange", "tree"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), "--exchange", "tree"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: unknown exchange 'tree'; choose --exchange from direct, hierarchical, auto"]
+    assert done.stderr.strip().splitlines() == [
+        "error: unknown exchange 'tree'; choose --exchange from direct, hierarchical, auto"
+    ]
 
 
 def test_delegates_spread_rows_over_requesters():

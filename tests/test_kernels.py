@@ -68,7 +68,11 @@ def make_case(n_rows: int, n_cols: int, weighted: bool, dtype: torch.dtype, seed
     """``(dense A, Adjacency)``; weighted entries in [0.5, 1.5), unweighted entries 1."""
     mask = random_pattern(n_rows, n_cols, 0.3, seed)
     g = torch.Generator().manual_seed(seed + 1)
-    weights = torch.rand(n_rows, n_cols, generator=g, dtype=dtype) + 0.5 if weighted else torch.ones(n_rows, n_cols, dtype=dtype)
+    weights = (
+        torch.rand(n_rows, n_cols, generator=g, dtype=dtype) + 0.5
+        if weighted
+        else torch.ones(n_rows, n_cols, dtype=dtype)
+    )
     dense = torch.where(mask, weights, torch.zeros((), dtype=dtype))
     return dense, csr_of(dense, weighted)
 
@@ -107,6 +111,7 @@ def gat_reference(mask, x, score_src, score_dst, col_weight, slope):
 
 
 # --- spmm -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("shape", [(40, 40), (30, 70)])
@@ -167,7 +172,10 @@ def test_spmm_at_the_widths_compiled_as_constants(backend, width, weighted, dtyp
     r, c = torch.rand(30, generator=g, dtype=dtype) + 0.5, torch.rand(45, generator=g, dtype=dtype) + 0.5
     scaled = r[:, None] * dense * c[None, :]
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
-    for adj, matrix in ((pattern, dense), (Adjacency.from_csr(pattern.indptr, pattern.indices, 45, pattern.values, row_scale=r, col_scale=c), scaled)):
+    for adj, matrix in (
+        (pattern, dense),
+        (Adjacency.from_csr(pattern.indptr, pattern.indices, 45, pattern.values, row_scale=r, col_scale=c), scaled),
+    ):
         x = torch.randn(45, width, generator=g, dtype=dtype, requires_grad=True)
         y = spmm(adj, x)
         torch.testing.assert_close(y, matrix @ x.detach(), **tolerance)
@@ -216,7 +224,9 @@ def test_cross_entropy_rows_matches_torch_on_the_selected_rows(backend, dtype):
     unselected[rows] = False
     assert torch.equal(grad[unselected], torch.zeros_like(grad[unselected]))
     if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda z: cross_entropy_rows(z, rows, labels), (logits.detach().clone().requires_grad_(True),))
+        assert torch.autograd.gradcheck(
+            lambda z: cross_entropy_rows(z, rows, labels), (logits.detach().clone().requires_grad_(True),)
+        )
 
 
 def test_spmm_add_rejects_a_base_of_the_wrong_shape():
@@ -267,6 +277,7 @@ def test_numba_spmm_kernel_accepts_int64_indices():
 
 
 # --- Adjacency ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("weighted", [True, False])
 def test_transpose_matches_dense_transpose(weighted):
@@ -375,6 +386,7 @@ def test_unknown_backend_is_a_user_error(monkeypatch):
 
 # --- gat_aggregate --------------------------------------------------------------------------
 
+
 def gat_inputs(n_rows, n_cols, heads, dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_cols, heads, dim, generator=g, dtype=dtype).requires_grad_()
@@ -411,7 +423,9 @@ def test_gat_float32_matches_float64(backend):
     y32 = gat_aggregate(adj, *inputs32)
     torch.testing.assert_close(y32, y64.float(), rtol=1e-5, atol=1e-5)
     dy = torch.randn_like(y64)
-    for got, want in zip(torch.autograd.grad(y32, inputs32[:3], dy.float()), torch.autograd.grad(y64, inputs64[:3], dy)):
+    for got, want in zip(
+        torch.autograd.grad(y32, inputs32[:3], dy.float()), torch.autograd.grad(y64, inputs64[:3], dy)
+    ):
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
 
 
@@ -473,8 +487,12 @@ def test_torch_backend_never_widens_an_index_to_int64(monkeypatch):
     h = torch.randn(45, 5, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         (gat_aggregate(adj, x, s_src, s_dst, col_weight).sum() + spmm(adj, h).sum()).backward()
-    widened = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [adj.nnz]]
-    assert not widened, f"{len(widened)} copies of an [nnz] tensor, e.g. under {widened[0].cpu_parent.name if widened[0].cpu_parent else '?'}"
+    widened = [
+        e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [adj.nnz]
+    ]
+    assert not widened, (
+        f"{len(widened)} copies of an [nnz] tensor, e.g. under {widened[0].cpu_parent.name if widened[0].cpu_parent else '?'}"
+    )
 
 
 # --- dropout ------------------------------------------------------------------------------
@@ -611,7 +629,9 @@ def test_layer_norm_relu_without_dropout_matches_torch(backend, dtype, shifted):
     generator_state = torch.get_rng_state()
     ours = layer_norm_relu_dropout(x, weight, bias, 1e-5, 0.5, training=False, shift=shift)
     assert torch.equal(torch.get_rng_state(), generator_state)  # no dropout: nothing drawn
-    reference = torch.relu(torch.nn.functional.layer_norm(x + shift if shifted else x, (x.shape[1],), weight, bias, 1e-5))
+    reference = torch.relu(
+        torch.nn.functional.layer_norm(x + shift if shifted else x, (x.shape[1],), weight, bias, 1e-5)
+    )
     upstream = torch.randn_like(ours)
     grads = torch.autograd.grad(ours, inputs, upstream)
     expected = torch.autograd.grad(reference, inputs, upstream)
@@ -688,7 +708,9 @@ def test_scatter_rows_sums_each_row_where_its_index_says(backend, row, dtype):
         dirty = buffers.empty((n, *row), dtype).fill_(7.0)  # the block the result reuses
     del dirty
     with buffers.pooled(pool):
-        torch.testing.assert_close(module.scatter_rows(index, rows, n), expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+        torch.testing.assert_close(
+            module.scatter_rows(index, rows, n), expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6
+        )
     assert torch.equal(module.scatter_rows(index[:0], rows[:0], n), torch.zeros(n, *row, dtype=dtype))
     # added into a given tensor, in place (the exchange adds them into the inner product's gradient)
     into = torch.randn(n, *row, generator=g, dtype=dtype)
@@ -751,5 +773,12 @@ def test_nonzero_rows_round_trip_and_gradients(backend, width, density, dtype):
     with_spare = torch.cat([gathered, torch.tensor([float("nan")], dtype=dtype)])
     assert torch.equal(module.scatter_nonzero_rows(index, bits, with_spare, (n, width)), expected)
     into = torch.randn(n, width, generator=g, dtype=dtype)
-    torch.testing.assert_close(module.scatter_nonzero_rows(index, bits, with_spare, (n, width), into=into.clone()), into + expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
-    assert torch.equal(module.scatter_nonzero_rows(index[:0], bits[:0], with_spare[:1], (n, width)), torch.zeros(n, width, dtype=dtype))
+    torch.testing.assert_close(
+        module.scatter_nonzero_rows(index, bits, with_spare, (n, width), into=into.clone()),
+        into + expected,
+        rtol=0,
+        atol=1e-12 if dtype == torch.float64 else 1e-5,
+    )
+    assert torch.equal(
+        module.scatter_nonzero_rows(index[:0], bits[:0], with_spare[:1], (n, width)), torch.zeros(n, width, dtype=dtype)
+    )

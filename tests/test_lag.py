@@ -68,7 +68,23 @@ def parts2(tmp_path_factory):
 
 
 def config(parts, out, **kw) -> TrainConfig:
-    base = dict(parts_dir=parts, p=0.5, model="graphsage", layers=3, hidden=8, heads=2, dropout=0.2, lr=0.01, epochs=8, eval_every=0, device="cpu", out=out, seed=3, staleness=1, timeout=60)
+    base = dict(
+        parts_dir=parts,
+        p=0.5,
+        model="graphsage",
+        layers=3,
+        hidden=8,
+        heads=2,
+        dropout=0.2,
+        lr=0.01,
+        epochs=8,
+        eval_every=0,
+        device="cpu",
+        out=out,
+        seed=3,
+        staleness=1,
+        timeout=60,
+    )
     return TrainConfig(**(base | kw))
 
 
@@ -86,7 +102,9 @@ def assert_same_params(results, a: int, b: int, exact: bool = False) -> None:
             if exact:
                 assert np.array_equal(results[rank][b]["params"][name], value), (rank, name)
             else:
-                np.testing.assert_allclose(results[rank][b]["params"][name], value, rtol=1e-4, atol=1e-5, err_msg=f"rank {rank} {name}")
+                np.testing.assert_allclose(
+                    results[rank][b]["params"][name], value, rtol=1e-4, atol=1e-5, err_msg=f"rank {rank} {name}"
+                )
 
 
 # --- S = 1 is --staleness 1 -------------------------------------------------------------------
@@ -150,7 +168,17 @@ def test_max_lag_one_with_a_compressed_wire_equals_staleness_one(parts, tmp_path
 
 def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
     # p < 1, dropout, int8 on the wire, smoothing: every piece of state a resume needs
-    whole = config(parts, tmp_path / "whole", model="gat", p=0.5, dropout=0.3, compress="int8", stale_smoothing=0.8, epochs=7, max_lag=1)
+    whole = config(
+        parts,
+        tmp_path / "whole",
+        model="gat",
+        p=0.5,
+        dropout=0.3,
+        compress="int8",
+        stale_smoothing=0.8,
+        epochs=7,
+        max_lag=1,
+    )
     first = replace(whole, out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
     rest = replace(first, epochs=7, resume=True)  # from the checkpoint of the last epoch of `first`
     results = run_ranks(WORLD, [whole, first, rest])
@@ -166,13 +194,18 @@ def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
     after it uses those (lag 1) on every rank. Resumed from the checkpoint after epoch 8
     with S = 1 (which accepts nothing else) and with S = 3, both compute the epoch 9 of the
     uninterrupted run and finish."""
-    lagged = config(parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=10, checkpoint_every=4)
+    lagged = config(
+        parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=10, checkpoint_every=4
+    )
     run_ranks(WORLD, [lagged])
     lines = records(lagged.out)
     lags = np.array([r["per_rank"]["lag"] for r in lines])  # [epoch, rank]
     assert lags.max() <= 3 and lags[:, :2].max() > 1, lags.tolist()  # the fast ranks ran ahead
     assert (lags[4] == 1).all() and (lags[8] == 1).all(), lags.tolist()  # but not past a checkpoint
-    resumed = {s: replace(lagged, out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True) for s in (1, 3)}
+    resumed = {
+        s: replace(lagged, out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True)
+        for s in (1, 3)
+    }
     for run in resumed.values():
         shutil.copytree(lagged.out, run.out)
     run_ranks(WORLD, list(resumed.values()))
@@ -182,7 +215,10 @@ def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
     assert first[8]["per_rank"]["lag"] == third[8]["per_rank"]["lag"] == [1] * WORLD
     assert first[7]["loss"] == third[7]["loss"] == lines[7]["loss"]  # the records before it are kept
     # the two exchanges keep different state: a part of one is refused by the other
-    with pytest.raises(AssertionError, match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$"):
+    with pytest.raises(
+        AssertionError,
+        match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$",
+    ):
         run_ranks(WORLD, [replace(resumed[1], max_lag=None, epochs=12)])
 
 
@@ -202,9 +238,21 @@ def test_stop_signal_checkpoints_at_the_next_sync_point_and_a_requeued_job_resum
     assert job.returncode == 128 + signal.SIGUSR1, stderr_of(tmp_path, "job")
     stopped = last_epoch(run_dir)
     assert stopped % 2 == 0  # a sync point
-    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in stderr_of(tmp_path, "job").strip().splitlines()[-1]
-    assert all((run_dir / "checkpoints" / f"checkpoint-{stopped:06d}{part}.pt").is_file() for part in ("", ".rank-0", ".rank-1"))
-    again = subprocess.run([*argv, "--epochs", str(stopped + 2)], env=clean_env(SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=FINISH_S)
+    assert (
+        f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}"
+        in stderr_of(tmp_path, "job").strip().splitlines()[-1]
+    )
+    assert all(
+        (run_dir / "checkpoints" / f"checkpoint-{stopped:06d}{part}.pt").is_file()
+        for part in ("", ".rank-0", ".rank-1")
+    )
+    again = subprocess.run(
+        [*argv, "--epochs", str(stopped + 2)],
+        env=clean_env(SLURM_RESTART_COUNT="1"),
+        capture_output=True,
+        text=True,
+        timeout=FINISH_S,
+    )
     assert again.returncode == 0, again.stderr
     assert f"resumed from epoch {stopped}" in again.stdout + again.stderr
     assert [r["epoch"] for r in records(run_dir)] == list(range(1, stopped + 3))
@@ -225,7 +273,9 @@ def test_fast_ranks_run_ahead_of_a_slow_rank_within_the_bound(parts, tmp_path, s
     assert lags[:, 0].max() > 1 and lags[:, 1].max() > 1, lags.tolist()  # the fast ranks ran ahead
     assert (lags[1:] >= 1).all() and (lags[0] == 0).all(), lags.tolist()  # the first epoch is exact
     # the fast ranks waited for the slow one (once 3 epochs ahead), the slow one hardly at all
-    assert min(waits[:, 0].sum(), waits[:, 1].sum()) > 0.3 and waits[:, 2].sum() < 0.5 * min(waits[:, 0].sum(), waits[:, 1].sum()), waits.tolist()
+    assert min(waits[:, 0].sum(), waits[:, 1].sum()) > 0.3 and waits[:, 2].sum() < 0.5 * min(
+        waits[:, 0].sum(), waits[:, 1].sum()
+    ), waits.tolist()
     assert all(r["per_rank"]["steps"] == [1] * WORLD for r in lines)
     for rank in (1, 2):  # one model at the end
         for name, value in results[0][0]["params"].items():
@@ -282,9 +332,15 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(max_lag=2), "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag"),
+        (
+            dict(max_lag=2),
+            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag",
+        ),
         (dict(max_lag=0, staleness=1), "--max-lag 0 must be a positive number of epochs"),
-        (dict(max_lag=2, staleness=1, exchange="hierarchical"), "pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag"),
+        (
+            dict(max_lag=2, staleness=1, exchange="hierarchical"),
+            "pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag",
+        ),
     ],
 )
 def test_bad_combinations_are_refused_in_one_line(kw, words):
@@ -294,7 +350,9 @@ def test_bad_combinations_are_refused_in_one_line(kw, words):
 
 
 def test_launcher_refuses_before_any_rank_starts(tmp_path, parts2):
-    outcome = run_cli(TRAIN, ["--procs", "2", "--parts-dir", str(parts2), "--max-lag", "3", "--out", str(tmp_path / "run")], tmp_path)
+    outcome = run_cli(
+        TRAIN, ["--procs", "2", "--parts-dir", str(parts2), "--max-lag", "3", "--out", str(tmp_path / "run")], tmp_path
+    )
     assert_user_error(outcome, "--max-lag bounds how many epochs stale rows may be, but --staleness is 0")
     assert outcome.stderr.strip().count("\n") == 0, outcome.stderr
     assert not (tmp_path / "run").exists()

@@ -19,6 +19,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from bnsgcn.data.format import write_manifest
+from bnsgcn.device import resolve_device
+from bnsgcn.errors import JobStopped, PeerLost, UserError
 from bnsgcn.launch import cli
 from bnsgcn.launch.discover import (
     PartitionSet,
@@ -37,10 +41,6 @@ from bnsgcn.launch.environment import (
 from bnsgcn.launch.network import default_master_port, free_port, port_in_use
 from bnsgcn.launch.rank import report_errors, training_parser
 from bnsgcn.launch.supervisor import Child, supervise
-
-from bnsgcn.data.format import write_manifest
-from bnsgcn.device import resolve_device
-from bnsgcn.errors import JobStopped, PeerLost, UserError
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 
 PY = sys.executable
@@ -48,11 +48,29 @@ PRINT_PID = "import os; print('pid', os.getpid(), flush=True)"
 SLEEP = PRINT_PID + "; import time; time.sleep(60)"
 # Variables that would switch bnsgcn-train into one-rank mode, or that it exports.
 LAUNCH_VARIABLES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
-    "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NNODES",
-    "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK", "SLURM_JOB_ID", "SLURM_RESTART_COUNT",
-    "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "BNSGCN_LAUNCH",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_STEP_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_JOB_ID",
+    "SLURM_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_RUN_ID",
+    "BNSGCN_LAUNCH",
 )
 
 
@@ -114,7 +132,10 @@ def test_all_ranks_succeed_and_output_is_forwarded():
 
 
 def test_failing_rank_stops_the_others_quickly():
-    failing = PRINT_PID + "; import sys, time; print('warming up', file=sys.stderr); time.sleep(1.0); print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+    failing = (
+        PRINT_PID
+        + "; import sys, time; print('warming up', file=sys.stderr); time.sleep(1.0); print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+    )
     children = [Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", failing]), Child(2, [PY, "-c", SLEEP])]
     status, out, err, elapsed = run_supervised(children)
     assert status == 3
@@ -126,7 +147,10 @@ def test_failing_rank_stops_the_others_quickly():
 
 
 def test_rank_killed_by_signal_is_reported_by_name():
-    dying = PRINT_PID + "; import os, signal, sys, time; time.sleep(0.5); print('about to die', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    dying = (
+        PRINT_PID
+        + "; import os, signal, sys, time; time.sleep(0.5); print('about to die', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     status, out, err, _ = run_supervised([Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", dying])])
     assert status == 128 + signal.SIGKILL
     assert err.splitlines()[-1] == "error: rank 1 failed (killed by SIGKILL): about to die"
@@ -141,7 +165,9 @@ def test_rank_ignoring_sigterm_and_its_grandchild_are_killed_after_the_grace_per
         "print('pid', os.getpid(), flush=True); print('pid', g.pid, flush=True); time.sleep(60)"
     )
     failing = "import sys, time; time.sleep(1.5); sys.exit('fatal: lost peer')"
-    status, out, err, elapsed = run_supervised([Child(0, [PY, "-c", stubborn]), Child(1, [PY, "-c", failing])], grace_s=0.5)
+    status, out, err, elapsed = run_supervised(
+        [Child(0, [PY, "-c", stubborn]), Child(1, [PY, "-c", failing])], grace_s=0.5
+    )
     assert status == 1
     assert err.splitlines()[-1] == "error: rank 1 failed (exit code 1): fatal: lost peer"
     assert elapsed < 6.0
@@ -183,7 +209,9 @@ def test_rank_entry_reports_user_errors_through_the_supervisor():
     env = os.environ | {"RANK": "0"}
     status, _, err, _ = run_supervised([Child(0, [PY, "-m", "bnsgcn.launch.rank", "--p", "2"], env)])
     assert status == 2
-    assert err.splitlines()[-1].startswith("error: rank 0 failed (exit code 2): error: [rank 0] --p 2.0 is outside [0, 1]")
+    assert err.splitlines()[-1].startswith(
+        "error: rank 0 failed (exit code 2): error: [rank 0] --p 2.0 is outside [0, 1]"
+    )
 
 
 # --- error handling shared by every rank ------------------------------------------------
@@ -244,25 +272,49 @@ def test_slurm_nodelist_malformed(nodelist):
 
 
 def test_detect_torchrun():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "2"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
     ranks = detect_rank_environment(env, master_addr="127.0.0.1", master_port=29500, nnodes=1)
     assert ranks == RankEnvironment("torchrun", 3, 4, 1, 2, "10.0.0.1", 1234, threads_per_rank(2), restart_count=2)
 
 
 def test_detect_slurm():
     env = {
-        "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-        "SLURM_JOB_NODELIST": "gpu[03-04,09]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "6",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "gpu[03-04,09]",
+        "SLURM_NNODES": "2",
+        "SLURM_CPUS_PER_TASK": "6",
     }
     ranks = detect_rank_environment(env, master_addr=None, master_port=29511, nnodes=1)
     assert ranks == RankEnvironment("slurm", 5, 8, 1, 4, "gpu03", 29511, 6)
     # --master-addr given: it wins over the node list; SLURM_RESTART_COUNT: a requeued job
-    requeued = detect_rank_environment(env | {"SLURM_RESTART_COUNT": "1"}, master_addr="10.1.1.1", master_port=29511, nnodes=1)
+    requeued = detect_rank_environment(
+        env | {"SLURM_RESTART_COUNT": "1"}, master_addr="10.1.1.1", master_port=29511, nnodes=1
+    )
     assert (requeued.master_addr, requeued.restart_count) == ("10.1.1.1", 1)
     exported: dict[str, str] = {}
     ranks.export(exported)
-    assert exported == {"MASTER_ADDR": "gpu03", "MASTER_PORT": "29511", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
-    with_address = detect_rank_environment(env | {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "4000"}, master_addr="127.0.0.1", master_port=29511, nnodes=1)
+    assert exported == {
+        "MASTER_ADDR": "gpu03",
+        "MASTER_PORT": "29511",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+    }
+    with_address = detect_rank_environment(
+        env | {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "4000"}, master_addr="127.0.0.1", master_port=29511, nnodes=1
+    )
     assert (with_address.master_addr, with_address.master_port) == ("10.9.9.9", 4000)
     # A batch script or salloc shell (no srun step), one launcher per node, or a one-task step:
     # bnsgcn-train starts the ranks itself.
@@ -338,7 +390,10 @@ def test_gpus_beyond_this_machine_names_the_cpu_alternative(tmp_path, monkeypatc
     n = torch.cuda.device_count() + 1
     status, _, err = run_cli(["--gpus", str(n)], capsys)
     assert status == 2
-    assert err == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU with --procs {n} instead\n"
+    assert (
+        err
+        == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU with --procs {n} instead\n"
+    )
 
 
 def test_master_port_in_use(tmp_path, monkeypatch, capsys, clean_environment):
@@ -352,7 +407,9 @@ def test_master_port_in_use(tmp_path, monkeypatch, capsys, clean_environment):
         status, out, err = run_cli(["--procs", "2", "--master-port", str(port)], capsys)
     assert status == 2
     assert "using partition set parts/two (2 parts)" in out
-    assert err.startswith(f"error: master port {port} is already in use on this machine; pass a free one, e.g. --master-port ")
+    assert err.startswith(
+        f"error: master port {port} is already in use on this machine; pass a free one, e.g. --master-port "
+    )
     assert not port_in_use(free_port())
 
 
@@ -361,7 +418,10 @@ def test_ranks_must_match_partitions(tmp_path, monkeypatch, capsys, clean_enviro
     two = make_set(tmp_path / "two", 2)
     status, _, err = run_cli(["--procs", "3", "--parts-dir", str(two)], capsys)
     assert status == 2
-    assert err == f"error: 3 ranks but partition set {two} has 2 partitions; run 2 ranks (e.g. --procs 2 on one machine) or re-partition into 3 parts with bnsgcn-partition\n"
+    assert (
+        err
+        == f"error: 3 ranks but partition set {two} has 2 partitions; run 2 ranks (e.g. --procs 2 on one machine) or re-partition into 3 parts with bnsgcn-partition\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -392,7 +452,20 @@ def test_parts_must_split_over_nodes(tmp_path, monkeypatch, capsys, clean_enviro
 
 
 def test_training_argv_drops_launch_flags():
-    argv = ["--epochs", "5", "--procs=2", "--seed", "-1", "--nnodes", "1", "--out", "x", "--master-addr", "h", "--no-precompute"]
+    argv = [
+        "--epochs",
+        "5",
+        "--procs=2",
+        "--seed",
+        "-1",
+        "--nnodes",
+        "1",
+        "--out",
+        "x",
+        "--master-addr",
+        "h",
+        "--no-precompute",
+    ]
     assert cli.training_argv(argv) == ["--epochs", "5", "--seed", "-1", "--out", "x", "--no-precompute"]
 
 
@@ -400,17 +473,53 @@ def test_second_node_children(tmp_path, monkeypatch, clean_environment):
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "four", 4)
     make_set(tmp_path / "parts" / "two", 2)
-    argv = ["--nnodes", "2", "--node-rank", "1", "--procs", "2", "--master-addr", "10.1.2.3", "--master-port", "29555", "--epochs", "7", "--threads", "3"]
+    argv = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--procs",
+        "2",
+        "--master-addr",
+        "10.1.2.3",
+        "--master-port",
+        "29555",
+        "--epochs",
+        "7",
+        "--threads",
+        "3",
+    ]
     children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
     assert [c.rank for c in children] == [2, 3]
     for local, child in enumerate(children):
-        assert {k: child.env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")} == {
-            "RANK": str(2 + local), "LOCAL_RANK": str(local), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "OMP_NUM_THREADS": "3",
+        assert {
+            k: child.env[k]
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "OMP_NUM_THREADS",
+            )
+        } == {
+            "RANK": str(2 + local),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.1.2.3",
+            "MASTER_PORT": "29555",
+            "OMP_NUM_THREADS": "3",
         }
         assert child.argv[:3] == [PY, "-m", "bnsgcn.launch.rank"]
         config = training_parser("rank").parse_args(child.argv[3:])
-        assert (config.epochs, config.threads, config.device, config.parts_dir) == (7, 3, "cpu", (tmp_path / "parts" / "four").resolve())
+        assert (config.epochs, config.threads, config.device, config.parts_dir) == (
+            7,
+            3,
+            "cpu",
+            (tmp_path / "parts" / "four").resolve(),
+        )
 
 
 def test_one_cpu_rank_per_partition_by_default(tmp_path, monkeypatch, clean_environment):
@@ -420,7 +529,14 @@ def test_one_cpu_rank_per_partition_by_default(tmp_path, monkeypatch, clean_envi
     assert [c.env["RANK"] for c in children] == ["0", "1", "2"]
     assert {c.env["WORLD_SIZE"] for c in children} == {"3"}
     assert {c.env["OMP_NUM_THREADS"] for c in children} == {str(threads_per_rank(3))}
-    assert children[0].argv[-6:] == ["--parts-dir", str((tmp_path / "parts" / "three").resolve()), "--device", "cpu", "--threads", str(threads_per_rank(3))]
+    assert children[0].argv[-6:] == [
+        "--parts-dir",
+        str((tmp_path / "parts" / "three").resolve()),
+        "--device",
+        "cpu",
+        "--threads",
+        str(threads_per_rank(3)),
+    ]
     assert not port_in_use(int(children[0].env["MASTER_PORT"]))
 
 
@@ -442,7 +558,14 @@ def test_cpu_ranks_and_refused_flags_cost_the_launcher_no_torch_import(tmp_path,
         "    raise AssertionError('--lr -1 was not refused')\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe, "--procs", "2", "--compress", "int8", "--work-pool", "--p", "0"], cwd=tmp_path, env=clean_environment, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--procs", "2", "--compress", "int8", "--work-pool", "--p", "0"],
+        cwd=tmp_path,
+        env=clean_environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "torch imported: False", done.stdout
 
@@ -457,20 +580,40 @@ def test_torchrun_rank_resumes_after_elastic_restart(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
     trained = _capture_training(monkeypatch)
-    clean_environment.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", TORCHELASTIC_RESTART_COUNT="1")
+    clean_environment.update(
+        RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29577",
+        TORCHELASTIC_RESTART_COUNT="1",
+    )
     assert run_cli(["--procs", "2", "--out", "run", "--epochs", "3"], capsys)[0] == 0
     clean_environment["TORCHELASTIC_RESTART_COUNT"] = "0"
     assert run_cli(["--procs", "2", "--out", "run", "--epochs", "3"], capsys)[0] == 0
     resumed, fresh = trained
     assert (resumed.resume, fresh.resume) == (True, False)
-    assert (resumed.device, resumed.parts_dir, resumed.epochs, resumed.threads) == ("cpu", (tmp_path / "parts" / "two").resolve(), 3, threads_per_rank(2))
+    assert (resumed.device, resumed.parts_dir, resumed.epochs, resumed.threads) == (
+        "cpu",
+        (tmp_path / "parts" / "two").resolve(),
+        3,
+        threads_per_rank(2),
+    )
 
 
 def test_torchrun_restart_without_out_warns_and_starts_fresh(tmp_path, monkeypatch, capsys, clean_environment):
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
     trained = _capture_training(monkeypatch)
-    clean_environment.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", TORCHELASTIC_RESTART_COUNT="2")
+    clean_environment.update(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29577",
+        TORCHELASTIC_RESTART_COUNT="2",
+    )
     status, out, err = run_cli(["--procs", "2"], capsys)
     assert status == 0
     assert "using partition set parts/two" in out  # rank 0 tells which set it took
@@ -485,7 +628,13 @@ def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environme
     resolved = []  # cn5 does not resolve here: record the check instead
     monkeypatch.setattr(cli, "check_master_address", resolved.append)
     clean_environment.update(
-        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="cn[5-6]", SLURM_NNODES="2", SLURM_JOB_ID="64242",
+        SLURM_PROCID="1",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="cn[5-6]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="64242",
     )
     status, out, _ = run_cli(["--procs", "2", "--epochs", "2"], capsys)
     assert status == 0
@@ -493,7 +642,11 @@ def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environme
     assert resolved == ["cn5"]
     # the default port comes from the job id: 20000 + 64242 % 20000
     assert {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")} == {
-        "MASTER_ADDR": "cn5", "MASTER_PORT": "24242", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+        "MASTER_ADDR": "cn5",
+        "MASTER_PORT": "24242",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
     }
     assert launch_info() == {"mode": "slurm", "job_id": "64242", "nodes": ["cn5", "cn6"]}
     assert trained[0].device == "cpu"
@@ -540,19 +693,31 @@ def test_default_master_port_derives_from_the_slurm_job_id():
     assert len(ports) == 100 and max(ports) < 32768 and min(ports) >= 20000
 
 
-def test_per_node_launcher_under_slurm_takes_the_job_port_and_resumes_after_requeue(tmp_path, monkeypatch, clean_environment):
+def test_per_node_launcher_under_slurm_takes_the_job_port_and_resumes_after_requeue(
+    tmp_path, monkeypatch, clean_environment
+):
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "four", 4)
     clean_environment.update(
-        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost,cn7", SLURM_NNODES="2",
-        SLURM_JOB_ID="777", SLURM_RESTART_COUNT="1",
+        SLURM_PROCID="1",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="localhost,cn7",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="777",
+        SLURM_RESTART_COUNT="1",
     )
     argv = ["--nnodes", "2", "--node-rank", "1", "--procs", "2", "--out", "run"]
     children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
     assert {c.env["MASTER_PORT"] for c in children} == {"20777"}
     assert {c.env["MASTER_ADDR"] for c in children} == {"localhost"}  # first node of the job
     assert all("--resume" in c.argv for c in children)  # requeued: continue from --out's checkpoints
-    assert json.loads(children[0].env["BNSGCN_LAUNCH"]) == {"mode": "local", "job_id": "777", "nodes": ["localhost", "cn7"]}
+    assert json.loads(children[0].env["BNSGCN_LAUNCH"]) == {
+        "mode": "local",
+        "job_id": "777",
+        "nodes": ["localhost", "cn7"],
+    }
     clean_environment["SLURM_RESTART_COUNT"] = "0"
     children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
     assert not any("--resume" in c.argv for c in children)
@@ -563,7 +728,13 @@ def test_slurm_task_resumes_after_requeue(tmp_path, monkeypatch, capsys, clean_e
     make_set(tmp_path / "parts" / "two", 2)
     trained = _capture_training(monkeypatch)
     clean_environment.update(
-        SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="9", SLURM_RESTART_COUNT="2",
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_ID="9",
+        SLURM_RESTART_COUNT="2",
     )
     monkeypatch.setattr(cli, "port_in_use", lambda port: False)
     assert run_cli(["--out", "run", "--epochs", "2"], capsys)[0] == 0
@@ -578,18 +749,29 @@ def test_too_many_launchers_per_node_are_refused(tmp_path, monkeypatch, capsys, 
     SLURM_NTASKS tasks: each would start its own ranks. Refused before any rank starts."""
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
-    clean_environment.update(SLURM_PROCID="3", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost,cn2", SLURM_NNODES="2")
+    clean_environment.update(
+        SLURM_PROCID="3",
+        SLURM_NTASKS="8",
+        SLURM_LOCALID="1",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="localhost,cn2",
+        SLURM_NNODES="2",
+    )
     monkeypatch.setattr(cli, "supervise", lambda children: pytest.fail("ranks were started"))
     status, _, err = run_cli(["--nnodes", "2", "--node-rank", "1", "--procs", "1"], capsys)
     assert status == 2
-    assert err.startswith("error: this srun step runs 8 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1 ")
+    assert err.startswith(
+        "error: this srun step runs 8 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1 "
+    )
 
 
 def test_slurm_task_count_must_match_the_partition_set(tmp_path, monkeypatch, capsys, clean_environment):
     monkeypatch.chdir(tmp_path)
     two = make_set(tmp_path / "two", 2)
     trained = _capture_training(monkeypatch)
-    clean_environment.update(SLURM_PROCID="0", SLURM_NTASKS="3", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost")
+    clean_environment.update(
+        SLURM_PROCID="0", SLURM_NTASKS="3", SLURM_LOCALID="0", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="localhost"
+    )
     status, _, err = run_cli(["--parts-dir", str(two)], capsys)
     assert status == 2
     assert err.startswith(f"error: [rank 0] 3 ranks but partition set {two} has 2 partitions")
@@ -608,7 +790,10 @@ def test_master_address_that_does_not_resolve_fails_at_once(mode_env, tmp_path, 
     assert time.monotonic() - start < 10
     assert status == 2
     rank = "[rank 1] " if mode_env else ""
-    assert re.fullmatch(rf"error: {re.escape(rank)}master address 'no-such-host.invalid' does not resolve \([^)]*\); pass --master-addr .*\n", err)
+    assert re.fullmatch(
+        rf"error: {re.escape(rank)}master address 'no-such-host.invalid' does not resolve \([^)]*\); pass --master-addr .*\n",
+        err,
+    )
     assert trained == []
 
 
@@ -634,7 +819,9 @@ def test_report_errors_stop_signal_and_named_peer(capsys):
     assert capsys.readouterr().err == "error: [rank 0] stopped by SIGUSR1 after epoch 4, checkpoint written\n"
 
     def lost() -> int:
-        raise PeerLost("communication with the other ranks failed: Timed out; rank 3 stopped at epoch 7 while the others waited")
+        raise PeerLost(
+            "communication with the other ranks failed: Timed out; rank 3 stopped at epoch 7 while the others waited"
+        )
 
     assert report_errors(lost, rank=1, debug=False) == 4
     assert capsys.readouterr().err.endswith("; rank 3 stopped at epoch 7 while the others waited\n")
@@ -646,15 +833,24 @@ def test_one_device_rule_for_launcher_and_engine(tmp_path, monkeypatch, clean_en
     import bnsgcn.comm.communicator
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert (resolve_device("auto", 2), resolve_device("auto", 3), resolve_device("cpu", 1), resolve_device("cuda", 8)) == ("cuda", "cpu", "cpu", "cuda")
+    assert (
+        resolve_device("auto", 2),
+        resolve_device("auto", 3),
+        resolve_device("cpu", 1),
+        resolve_device("cuda", 8),
+    ) == ("cuda", "cpu", "cpu", "cuda")
     assert bnsgcn.comm.communicator.resolve_device is resolve_device  # the engine's ranks decide by the same rule
     monkeypatch.chdir(tmp_path)
     make_set(tmp_path / "parts" / "two", 2)
     make_set(tmp_path / "parts" / "three", 3)
     argv = ["--parts-dir", "parts/two"]
-    assert {c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)} == {"cuda"}
+    assert {
+        c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+    } == {"cuda"}
     argv = ["--parts-dir", "parts/three"]  # three local ranks, two GPUs: CPU
-    assert {c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)} == {"cpu"}
+    assert {
+        c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+    } == {"cpu"}
 
 
 def test_run_directory_name_carries_the_job():
@@ -667,7 +863,10 @@ def test_run_directory_name_carries_the_job():
 def test_sigusr1_to_the_launcher_is_passed_to_every_rank():
     """A batch system's warning (sbatch --signal=USR1@...) reaches the ranks, which save a
     checkpoint and exit (stand-ins here exit 138 as the engine does)."""
-    rank = PRINT_PID + "; import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *_: sys.exit(138)); time.sleep(60)"
+    rank = (
+        PRINT_PID
+        + "; import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *_: sys.exit(138)); time.sleep(60)"
+    )
     script = (
         "import sys\nfrom bnsgcn.launch.supervisor import Child, supervise\n"
         f"sys.exit(supervise([Child(r, [sys.executable, '-c', {rank!r}]) for r in range(2)]))\n"

@@ -51,14 +51,17 @@ def test_engine_imports_neither_the_partition_step_nor_the_launcher():
     assert _engine_imports_of_other_steps(ENGINE) == []
 
 
-@pytest.mark.parametrize("module, line", [
-    ("train.py", "from bnsgcn.partition.graph import Graph"),
-    ("train.py", "import bnsgcn.launch.cli"),
-    ("train.py", "from .launch import rank"),
-    ("train.py", "from . import partition"),
-    ("kernels/spmm.py", "from ..partition import writer"),
-    ("kernels/spmm.py", "import partition.writer"),
-])
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("train.py", "from bnsgcn.partition.graph import Graph"),
+        ("train.py", "import bnsgcn.launch.cli"),
+        ("train.py", "from .launch import rank"),
+        ("train.py", "from . import partition"),
+        ("kernels/spmm.py", "from ..partition import writer"),
+        ("kernels/spmm.py", "import partition.writer"),
+    ],
+)
 def test_the_import_check_catches_each_form(tmp_path, monkeypatch, module, line):
     # the check itself must be able to fail: a fake engine module with one bad import
     engine = tmp_path / "bnsgcn"
@@ -84,15 +87,34 @@ def test_no_generic_top_level_names_outside_the_repository(tmp_path):
 
 def test_the_wheel_installs_only_the_bnsgcn_name(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("bnsgcn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"bnsgcn"}
-    for module in ("bnsgcn/partition/cli.py", "bnsgcn/partition/datasets/reddit.py", "bnsgcn/launch/rank.py", "bnsgcn/kernels/spmm.py"):
+    for module in (
+        "bnsgcn/partition/cli.py",
+        "bnsgcn/partition/datasets/reddit.py",
+        "bnsgcn/launch/rank.py",
+        "bnsgcn/kernels/spmm.py",
+    ):
         assert module in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

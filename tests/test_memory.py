@@ -22,8 +22,15 @@ def _one_rank() -> Comm:
 
 def _topology() -> Topology:
     """One rank whose 4 inner rows are also its own 'boundary' columns (a world of one)."""
-    return Topology(n_inner=4, indptr=torch.zeros(5, dtype=torch.int64), indices=torch.zeros(0, dtype=torch.int64),
-                    degree=torch.ones(8), boundary_counts=[4], send_nodes=torch.arange(4), send_counts=[4])
+    return Topology(
+        n_inner=4,
+        indptr=torch.zeros(5, dtype=torch.int64),
+        indices=torch.zeros(0, dtype=torch.int64),
+        degree=torch.ones(8),
+        boundary_counts=[4],
+        send_nodes=torch.arange(4),
+        send_counts=[4],
+    )
 
 
 def _epoch(exchange, plan: ExchangePlan) -> tuple[weakref.ref, weakref.ref]:
@@ -83,7 +90,11 @@ def test_gcn_with_precomputed_aggregation_draws_no_input_mask(monkeypatch):
 
     masked: list[torch.Tensor] = []
     real = model_module.RecomputedDropout.__call__  # the input dropout of layer 0
-    monkeypatch.setattr(model_module.RecomputedDropout, "__call__", lambda self, t, p, training: masked.append(t) or real(self, t, p, training))
+    monkeypatch.setattr(
+        model_module.RecomputedDropout,
+        "__call__",
+        lambda self, t, p, training: masked.append(t) or real(self, t, p, training),
+    )
     x, x_agg = torch.randn(5, 4), torch.randn(5, 4)
     for name, reads_x in (("gcn", False), ("graphsage", True)):
         masked.clear()
@@ -103,10 +114,19 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
 
     indptr = torch.tensor([0, 3, 5, 8, 10])
     indices = torch.tensor([0, 5, 6, 1, 4, 2, 3, 7, 3, 6])
-    topology = Topology(n_inner=4, indptr=indptr, indices=indices, degree=torch.tensor([3.0, 2, 3, 2, 1, 1, 1, 1]),
-                        boundary_counts=[4], send_nodes=torch.arange(4), send_counts=[4])
+    topology = Topology(
+        n_inner=4,
+        indptr=indptr,
+        indices=indices,
+        degree=torch.tensor([3.0, 2, 3, 2, 1, 1, 1, 1]),
+        boundary_counts=[4],
+        send_nodes=torch.arange(4),
+        send_counts=[4],
+    )
     graph = ShardGraph(topology, "graphsage", torch.device("cpu"))
-    epoch = graph.epoch(torch.ones(4, dtype=torch.bool), 1.0, full_plan(topology, torch.device("cpu")), BoundaryExchange(_one_rank()))
+    epoch = graph.epoch(
+        torch.ones(4, dtype=torch.bool), 1.0, full_plan(topology, torch.device("cpu")), BoundaryExchange(_one_rank())
+    )
     torch.manual_seed(seed)
     layer = SAGEConv(6, 6, slot=1, exchange_input=exchange_input).double()
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
@@ -118,7 +138,9 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x, epoch)
-    kept_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in kept if t.shape[:1] == x.shape[:1]}.values())
+    kept_bytes = sum(
+        t.numel() * t.element_size() for t in {t.data_ptr(): t for t in kept if t.shape[:1] == x.shape[:1]}.values()
+    )
     out.backward(torch.arange(24.0, dtype=torch.float64).view(4, 6))
     return out.detach(), [x.grad, *(p.grad for p in layer.parameters())], kept_bytes
 

@@ -10,7 +10,22 @@ import pytest
 
 from .distributed import free_port, partition, random_graph
 
-FLAGS = ["--p", "0.5", "--model", "graphsage", "--layers", "2", "--hidden", "8", "--epochs", "4", "--eval-every", "2", "--seed", "5"]
+FLAGS = [
+    "--p",
+    "0.5",
+    "--model",
+    "graphsage",
+    "--layers",
+    "2",
+    "--hidden",
+    "8",
+    "--epochs",
+    "4",
+    "--eval-every",
+    "2",
+    "--seed",
+    "5",
+]
 
 
 def _losses(run_dir) -> list:
@@ -21,14 +36,32 @@ def _losses(run_dir) -> list:
 def test_two_nodes_match_one_four_rank_run(tmp_path):
     parts = partition(random_graph(num_nodes=160, avg_degree=6, seed=9), 4, tmp_path / "parts")
     train = [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts), *FLAGS]
-    single = subprocess.run([*train, "--procs", "4", "--out", str(tmp_path / "single")], capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [*train, "--procs", "4", "--out", str(tmp_path / "single")], capture_output=True, text=True, timeout=300
+    )
     assert single.returncode == 0, single.stderr
 
     port = str(free_port())
     nodes = [
         subprocess.Popen(
-            [*train, "--procs", "2", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port, "--out", str(tmp_path / "multi")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                *train,
+                "--procs",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--out",
+                str(tmp_path / "multi"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]

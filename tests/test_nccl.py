@@ -86,7 +86,9 @@ def test_sampled_inductive_run(tmp_path, device):
     boundary nodes are the training nodes among each rank's boundary nodes."""
     graph = random_graph(num_nodes=120, avg_degree=6, seed=9)
     parts = partition(graph, 2, tmp_path / "parts")
-    config = reference.exact_config("graphsage", True, parts, tmp_path / "run", p=0.3, inductive=True, epochs=5, device=device)
+    config = reference.exact_config(
+        "graphsage", True, parts, tmp_path / "run", p=0.3, inductive=True, epochs=5, device=device
+    )
     run_ranks(2, [config])
     boundary = [int(graph.train_mask[np.load(parts / f"part-{r}" / "boundary_nodes.npy")].sum()) for r in range(2)]
     records = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 
-import bnsgcn.partition.order as order_module
 import numpy as np
 import pytest
+
+import bnsgcn.partition.order as order_module
+from bnsgcn.data.format import load_partition, read_manifest
+from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.order import block_positions
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import find_reusable, write_partition_set
-
-from bnsgcn.data.format import load_partition, read_manifest
-from bnsgcn.errors import UserError
 
 from . import reference
 from .distributed import random_graph, run_ranks
@@ -35,8 +35,17 @@ def community_graph(communities: int = 8, size: int = 250, seed: int = 0) -> Gra
     indptr, indices, _ = canonical_csr(np.concatenate([src, np.arange(n // 2)]), np.concatenate([inside, anywhere]), n)
     labels = group % 4
     split = rng.random(n)
-    return Graph("communities", indptr, indices, rng.standard_normal((n, 4)).astype(np.float32), labels,
-                 split < 0.5, (split >= 0.5) & (split < 0.75), split >= 0.75, 4)
+    return Graph(
+        "communities",
+        indptr,
+        indices,
+        rng.standard_normal((n, 4)).astype(np.float32),
+        labels,
+        split < 0.5,
+        (split >= 0.5) & (split < 0.75),
+        split >= 0.75,
+        4,
+    )
 
 
 def near_fraction(graph: Graph, assignment: np.ndarray, position: np.ndarray, window: int) -> float:
@@ -77,7 +86,10 @@ def test_blocks_put_neighbours_near_each_other(monkeypatch, case):
     assert np.array_equal(position, again)
 
     # in id order about 2 blocks / n_k of the edges (0.2) join nodes less than a block apart; in blocks, 0.57-0.69
-    blocked, by_id = near_fraction(graph, assignment, position, 100), near_fraction(graph, assignment, id_positions(assignment), 100)
+    blocked, by_id = (
+        near_fraction(graph, assignment, position, 100),
+        near_fraction(graph, assignment, id_positions(assignment), 100),
+    )
     assert blocked > 2.5 * by_id, (blocked, by_id)
 
 
@@ -90,7 +102,9 @@ def test_p1_matches_single_process_in_block_order(tmp_path, monkeypatch):
     position, blocks = block_positions(graph, assignment, 2, progress=False)
     assert blocks["parts"] == ["metis", "metis"]
     parts = tmp_path / "parts"
-    write_partition_set(graph, assignment, parts, parts=2, method_info=method_info("metis", "cut", 0), progress=False, position=position)
+    write_partition_set(
+        graph, assignment, parts, parts=2, method_info=method_info("metis", "cut", 0), progress=False, position=position
+    )
     inner = load_partition(parts, 0)["inner_nodes"]
     assert not np.all(np.diff(inner) > 0)  # really not in id order
     configs = [reference.exact_config(m, pre, parts, tmp_path / f"run-{m}-{pre}") for m, pre in VARIANTS]
@@ -104,7 +118,9 @@ def test_sets_from_before_node_orders_count_as_id_order(tmp_path):
     request for that order reuses it, a request for blocks does not."""
     graph = random_graph(num_nodes=40, seed=2)
     info = method_info("random", "cut", 0)
-    write_partition_set(graph, assign(graph, 2, "random", seed=0), tmp_path / "set", parts=2, method_info=info, progress=False)
+    write_partition_set(
+        graph, assign(graph, 2, "random", seed=0), tmp_path / "set", parts=2, method_info=info, progress=False
+    )
     assert "node_order" not in read_manifest(tmp_path / "set")["partitioner"]
     assert find_reusable(tmp_path / "set", graph.name, 2, info | {"node_order": "ids"}) is not None
     with pytest.raises(UserError, match="holds a different partition set; pass --force"):
@@ -122,7 +138,15 @@ def test_node_order_benchmark_renumbers_a_block_set_as_the_id_set(tmp_path, monk
     assignment = assign(graph, 3, "metis", "cut", 0)
     position, _ = block_positions(graph, assignment, 3, progress=False)
     info = method_info("metis", "cut", 0)
-    write_partition_set(graph, assignment, tmp_path / "blocks", parts=3, method_info=info | {"node_order": "blocks"}, progress=False, position=position)
+    write_partition_set(
+        graph,
+        assignment,
+        tmp_path / "blocks",
+        parts=3,
+        method_info=info | {"node_order": "blocks"},
+        progress=False,
+        position=position,
+    )
     write_partition_set(graph, assignment, tmp_path / "ids", parts=3, method_info=info, progress=False)
     for k in range(3):
         blocks, ids = load_shard(tmp_path / "blocks", k, 3).topology, load_shard(tmp_path / "ids", k, 3).topology
@@ -132,7 +156,23 @@ def test_node_order_benchmark_renumbers_a_block_set_as_the_id_set(tmp_path, monk
         for name in ("indptr", "indices", "degree"):
             assert np.array_equal(getattr(renumbered, name).numpy(), getattr(ids, name).numpy()), name
 
-    assert bench.main(["--parts-dir", str(tmp_path / "blocks"), "--part", "1", "--widths", "8", "--repeat", "2", "--out", str(tmp_path / "r.json")]) == 0
+    assert (
+        bench.main(
+            [
+                "--parts-dir",
+                str(tmp_path / "blocks"),
+                "--part",
+                "1",
+                "--widths",
+                "8",
+                "--repeat",
+                "2",
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["node_order"] == "blocks" and len(record["products"]) == 8  # 2 orders x 2 column sets x 2 products
     assert all(row["median_s"] > 0 for row in record["products"])

@@ -80,7 +80,11 @@ def parts(graph, tmp_path_factory):
 
 
 def _losses(config) -> list[float]:
-    return [line["loss"] for line in map(json.loads, (config.out / "metrics.jsonl").read_text().splitlines()) if "loss" in line]
+    return [
+        line["loss"]
+        for line in map(json.loads, (config.out / "metrics.jsonl").read_text().splitlines())
+        if "loss" in line
+    ]
 
 
 VARIANTS = [
@@ -95,8 +99,13 @@ VARIANTS = [
 def test_at_p1_runs_match_the_dense_reference(tmp_path):
     graph = random_graph(num_nodes=64, avg_degree=6, features=12, seed=13)
     parts = partition(graph, 2, tmp_path / "parts", method="random")
-    configs = [reference.exact_config(m, pre, parts, tmp_path / f"{m}-{pre}", nonzero_rows="on") for m, pre in [("graphsage", True), ("graphsage", False), ("gcn", False)]]
-    configs.append(reference.exact_config("gcn", True, parts, tmp_path / "gcn-4", nonzero_rows="on", layers=4, norm="batch"))
+    configs = [
+        reference.exact_config(m, pre, parts, tmp_path / f"{m}-{pre}", nonzero_rows="on")
+        for m, pre in [("graphsage", True), ("graphsage", False), ("gcn", False)]
+    ]
+    configs.append(
+        reference.exact_config("gcn", True, parts, tmp_path / "gcn-4", nonzero_rows="on", layers=4, norm="batch")
+    )
     results = run_ranks(2, configs)
     for i, config in enumerate(configs):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
@@ -127,7 +136,9 @@ def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None =
     """Run ``nonzero`` (``--nonzero-rows on``) and the same configs with ``off`` (and the same
     layer order); assert the same losses, every step's gradients and the final parameters,
     bit for bit, on every rank; return the pairs of runs' reports (rank by rank)."""
-    dense = [replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero]
+    dense = [
+        replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero
+    ]
     results_nonzero = run_ranks(world, nonzero, nodes=nodes, instrument=record_gradients)
     results_dense = run_ranks(world, dense, nodes=nodes, instrument=record_gradients_aggregating_first)
     for i, (a, b) in enumerate(zip(nonzero, dense)):
@@ -147,8 +158,12 @@ def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
     nonzero = []
     for i, variant in enumerate(VARIANTS):
         model, precompute = variant["model"], variant["precompute"]
-        overrides = dict(p=0.6, dropout=0.5, hidden=32, epochs=3) | {k: v for k, v in variant.items() if k not in ("model", "precompute")}
-        nonzero.append(reference.exact_config(model, precompute, parts, tmp_path / f"nonzero-{i}", nonzero_rows="on", **overrides))
+        overrides = dict(p=0.6, dropout=0.5, hidden=32, epochs=3) | {
+            k: v for k, v in variant.items() if k not in ("model", "precompute")
+        }
+        nonzero.append(
+            reference.exact_config(model, precompute, parts, tmp_path / f"nonzero-{i}", nonzero_rows="on", **overrides)
+        )
     for config, rank_reports in _run_against_dense_rows(nonzero, 2):
         for ra, rb in rank_reports:
             for kind in ("features", "gradients"):

@@ -22,7 +22,11 @@ from bnsgcn.nn.optim import Adam
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     torch.manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    return [
+        torch.nn.Parameter(torch.randn(5, 3)),
+        torch.nn.Parameter(torch.randn(3)),
+        torch.nn.Parameter(torch.randn(2, 2)),
+    ]
 
 
 def _steps(optimizer, params, seed: int, steps: int) -> None:
@@ -37,7 +41,10 @@ def _steps(optimizer, params, seed: int, steps: int) -> None:
 @pytest.mark.parametrize("weight_decay", (0.0, 5e-4))
 def test_same_bits_as_torch_adam(weight_decay):
     ours, theirs = _params(), _params()
-    mine, reference = Adam(ours, lr=0.01, weight_decay=weight_decay), torch.optim.Adam(theirs, lr=0.01, weight_decay=weight_decay)
+    mine, reference = (
+        Adam(ours, lr=0.01, weight_decay=weight_decay),
+        torch.optim.Adam(theirs, lr=0.01, weight_decay=weight_decay),
+    )
     assert sorted(mine.state[ours[0]]) == ["exp_avg", "exp_avg_sq", "step"]  # made before any step
     _steps(mine, ours, 1, 7)
     _steps(reference, theirs, 1, 7)
@@ -98,5 +105,7 @@ def test_does_not_import_dynamo():
         "print('torch._dynamo' in sys.modules)\n"
     )
     mine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    theirs = subprocess.run([sys.executable, "-c", code, "torch"], capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run(
+        [sys.executable, "-c", code, "torch"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert (mine, theirs) == ("False", "True")  # the check can fail: torch's own does import it

@@ -15,11 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
-import numpy as np
-import pytest
+from bnsgcn.data.format import (
+    PART_ARRAYS,
+    load_partition,
+    read_manifest,
+    write_manifest,
+)
+from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph, canonical_csr
 from bnsgcn.partition.order import block_positions
 from bnsgcn.partition.partitioner import (
@@ -36,20 +44,18 @@ from bnsgcn.partition.writer import (
     write_partition_set,
 )
 
-from bnsgcn.data.format import (
-    PART_ARRAYS,
-    load_partition,
-    read_manifest,
-    write_manifest,
-)
-from bnsgcn.errors import UserError
 
-
-def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False) -> Graph:
+def make_graph(
+    name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed: int, multilabel: bool = False
+) -> Graph:
     rng = np.random.default_rng(seed)
     indptr, indices, directed = canonical_csr(src, dst, num_nodes)
     num_classes = 4
-    labels = (rng.random((num_nodes, num_classes)) < 0.3).astype(np.uint8) if multilabel else rng.integers(0, num_classes, num_nodes)
+    labels = (
+        (rng.random((num_nodes, num_classes)) < 0.3).astype(np.uint8)
+        if multilabel
+        else rng.integers(0, num_classes, num_nodes)
+    )
     split = rng.random(num_nodes)
     return Graph(
         name=name,
@@ -68,7 +74,9 @@ def make_graph(name: str, src: np.ndarray, dst: np.ndarray, num_nodes: int, seed
 
 def random_graph(num_nodes: int = 300, num_edges: int = 1500, seed: int = 0) -> Graph:
     rng = np.random.default_rng(seed)
-    return make_graph("random", rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges), num_nodes, seed)
+    return make_graph(
+        "random", rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges), num_nodes, seed
+    )
 
 
 def isolated_graph(seed: int = 1) -> Graph:
@@ -163,8 +171,8 @@ def check_partition_set(graph: Graph, out_dir: Path, parts: int, position: np.nd
         send_offsets, send_nodes = p["send_offsets"], p["send_nodes"]
         assert send_offsets.shape == (parts + 1,) and send_offsets[-1] == send_nodes.shape[0]
         for q, peer in enumerate(loaded):
-            sent = inner[k][send_nodes[send_offsets[q]:send_offsets[q + 1]]]
-            expected = peer["boundary_nodes"][peer["boundary_offsets"][k]:peer["boundary_offsets"][k + 1]]
+            sent = inner[k][send_nodes[send_offsets[q] : send_offsets[q + 1]]]
+            expected = peer["boundary_nodes"][peer["boundary_offsets"][k] : peer["boundary_offsets"][k + 1]]
             assert np.array_equal(sent, expected if q != k else expected[:0])
 
     totals = manifest["report"]["totals"]
@@ -172,10 +180,19 @@ def check_partition_set(graph: Graph, out_dir: Path, parts: int, position: np.nd
     assert totals["boundary"] == sum(p["boundary_nodes"].shape[0] for p in loaded)
 
 
-def write_set(graph: Graph, out_dir: Path, parts: int, method: str = "metis", objective: str = "cut", seed: int = 0, **kwargs) -> dict:
+def write_set(
+    graph: Graph, out_dir: Path, parts: int, method: str = "metis", objective: str = "cut", seed: int = 0, **kwargs
+) -> dict:
     assignment = assign(graph, parts, method, objective, seed)
-    return write_partition_set(graph, assignment, out_dir, parts=parts, method_info=method_info(method, objective, seed),
-                               progress=False, **kwargs)
+    return write_partition_set(
+        graph,
+        assignment,
+        out_dir,
+        parts=parts,
+        method_info=method_info(method, objective, seed),
+        progress=False,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))
@@ -199,8 +216,15 @@ def test_partition_set_invariants_in_block_order(tmp_path, monkeypatch, graph_na
         assignment[assignment == 1] = 2  # partition 1 gets nothing
     position, blocks = block_positions(graph, assignment, parts, progress=False)
     assert blocks["parts"] == ["metis" if n > 16 else "one block" for n in np.bincount(assignment, minlength=parts)]
-    write_partition_set(graph, assignment, tmp_path / "set", parts=parts, method_info=method_info("metis", "cut", 0),
-                        progress=False, position=position)
+    write_partition_set(
+        graph,
+        assignment,
+        tmp_path / "set",
+        parts=parts,
+        method_info=method_info("metis", "cut", 0),
+        progress=False,
+        position=position,
+    )
     check_partition_set(graph, tmp_path / "set", parts, position)
     inner = load_partition(tmp_path / "set", 0)["inner_nodes"]
     if graph_name == "random":  # not the ids' order (which the check would pass too); a path's blocks keep it
@@ -213,15 +237,24 @@ def test_empty_partition_from_assignment_file(tmp_path):
     path = tmp_path / "assignment.txt"
     path.write_text("\n".join(map(str, assignment)) + "\n")
     assert np.array_equal(assign(graph, 3, assignment_file=path), assignment)
-    write_partition_set(graph, assign(graph, 3, assignment_file=path), tmp_path / "set", parts=3,
-                        method_info=method_info("metis", "cut", 0, path), progress=False)
+    write_partition_set(
+        graph,
+        assign(graph, 3, assignment_file=path),
+        tmp_path / "set",
+        parts=3,
+        method_info=method_info("metis", "cut", 0, path),
+        progress=False,
+    )
     check_partition_set(graph, tmp_path / "set", 3)
     assert read_manifest(tmp_path / "set")["partitions"][1]["n_inner"] == 0
 
 
 def digests(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("method", ["metis", "random"])
@@ -302,8 +335,14 @@ def test_assignment_file_validation(tmp_path):
     np.save(tmp_path / "float.npy", good + 0.5)
     (tmp_path / "text.txt").write_text("0\n1\nx\n")
     (tmp_path / "corrupt.npy").write_bytes(b"\x93NUMPY garbage")
-    cases = {"short.npy": "50 nodes", "range.npy": "outside 0..2", "float.npy": "non-integer",
-             "text.txt": "unreadable", "corrupt.npy": "unreadable", "missing.npy": "not found"}
+    cases = {
+        "short.npy": "50 nodes",
+        "range.npy": "outside 0..2",
+        "float.npy": "non-integer",
+        "text.txt": "unreadable",
+        "corrupt.npy": "unreadable",
+        "missing.npy": "not found",
+    }
     for name, message in cases.items():
         with pytest.raises(UserError, match=message):
             read_assignment(tmp_path / name, 3, 50)
@@ -495,7 +534,9 @@ def test_report_table_lists_every_partition(tmp_path):
     lines = table.splitlines()
     assert len(lines) == 2 + 3 + 1 + 2
     for row in report["rows"]:
-        assert any(line.split()[:3] == [str(row["part"]), f"{row['inner']:,}", f"{row['boundary']:,}"] for line in lines)
+        assert any(
+            line.split()[:3] == [str(row["part"]), f"{row['inner']:,}", f"{row['boundary']:,}"] for line in lines
+        )
     ratios = [row["boundary"] / row["inner"] for row in report["rows"]]
     assert report["totals"]["ratio_max"] == pytest.approx(max(ratios), abs=1e-4)
     assert report["totals"]["ratio_mean"] == pytest.approx(np.mean(ratios), abs=1e-4)
@@ -504,15 +545,35 @@ def test_report_table_lists_every_partition(tmp_path):
 def test_worked_example_of_the_format_docs(tmp_path):
     """The 5-node example of docs/partition-format.md, derived by hand."""
     graph = make_graph("tiny", np.array([0, 1, 2, 3, 1]), np.array([1, 2, 3, 4, 4]), 5, seed=0)
-    write_partition_set(graph, np.array([0, 0, 1, 1, 0]), tmp_path / "set", parts=2,
-                        method_info=method_info("metis", "cut", 0), progress=False)
+    write_partition_set(
+        graph,
+        np.array([0, 0, 1, 1, 0]),
+        tmp_path / "set",
+        parts=2,
+        method_info=method_info("metis", "cut", 0),
+        progress=False,
+    )
     expected = [
-        {"inner_nodes": [0, 1, 4], "boundary_nodes": [2, 3], "boundary_offsets": [0, 0, 2],
-         "adj_indptr": [0, 2, 6, 9], "adj_indices": [0, 1, 0, 1, 2, 3, 1, 2, 4],
-         "degree": [2, 4, 3, 3, 3], "send_offsets": [0, 0, 2], "send_nodes": [1, 2]},
-        {"inner_nodes": [2, 3], "boundary_nodes": [1, 4], "boundary_offsets": [0, 2, 2],
-         "adj_indptr": [0, 3, 6], "adj_indices": [0, 1, 2, 0, 1, 3],
-         "degree": [3, 3, 4, 3], "send_offsets": [0, 2, 2], "send_nodes": [0, 1]},
+        {
+            "inner_nodes": [0, 1, 4],
+            "boundary_nodes": [2, 3],
+            "boundary_offsets": [0, 0, 2],
+            "adj_indptr": [0, 2, 6, 9],
+            "adj_indices": [0, 1, 0, 1, 2, 3, 1, 2, 4],
+            "degree": [2, 4, 3, 3, 3],
+            "send_offsets": [0, 0, 2],
+            "send_nodes": [1, 2],
+        },
+        {
+            "inner_nodes": [2, 3],
+            "boundary_nodes": [1, 4],
+            "boundary_offsets": [0, 2, 2],
+            "adj_indptr": [0, 3, 6],
+            "adj_indices": [0, 1, 2, 0, 1, 3],
+            "degree": [3, 3, 4, 3],
+            "send_offsets": [0, 2, 2],
+            "send_nodes": [0, 1],
+        },
     ]
     for k, arrays in enumerate(expected):
         loaded = load_partition(tmp_path / "set", k)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bnsgcn.partition.cli import default_out_dir, main
 
 from bnsgcn.data.format import load_partition, read_manifest
 from bnsgcn.errors import UserError
 from bnsgcn.metrics.progress import Progress, step
+from bnsgcn.partition.cli import default_out_dir, main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -50,9 +50,15 @@ def test_writes_set_and_report(tmp_path, capsys):
     for row in manifest["report"]["rows"]:
         assert f"{row['inner']:,}" in stdout and f"{row['boundary']:,}" in stdout
     assert manifest["dataset"]["num_nodes"] == CORA_NODES and manifest["dataset"]["spec"] == CORA_NPZ
-    assert manifest["partitioner"] == {"method": "metis", "objective": "cut", "seed": 0,
-                                       "balance": ["inner_nodes", "train_nodes"], "assignment_file": None,
-                                       "node_order": "blocks", "blocks_by": {"block_nodes": 400, "parts": ["metis"] * 3}}
+    assert manifest["partitioner"] == {
+        "method": "metis",
+        "objective": "cut",
+        "seed": 0,
+        "balance": ["inner_nodes", "train_nodes"],
+        "assignment_file": None,
+        "node_order": "blocks",
+        "blocks_by": {"block_nodes": 400, "parts": ["metis"] * 3},
+    }
     inner = [load_partition(out, k, verify=True)["inner_nodes"] for k in range(3)]
     assert np.array_equal(np.sort(np.concatenate(inner)), np.arange(CORA_NODES))
 
@@ -91,7 +97,22 @@ def test_assignment_file(tmp_path, capsys):
     assignment = np.arange(CORA_NODES) % 3
     np.save(tmp_path / "assignment.npy", assignment)
     out = tmp_path / "set"
-    assert main([CORA_NPZ, "--parts", "3", "--assignment", str(tmp_path / "assignment.npy"), "--node-order", "ids", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                CORA_NPZ,
+                "--parts",
+                "3",
+                "--assignment",
+                str(tmp_path / "assignment.npy"),
+                "--node-order",
+                "ids",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert read_manifest(out)["partitioner"]["method"] == "file"
     assert np.array_equal(load_partition(out, 1)["inner_nodes"], np.flatnonzero(assignment == 1))
 
@@ -149,10 +170,13 @@ def test_unwritable_output(tmp_path, capsys, monkeypatch):
     assert entries(tmp_path) == before
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["no-such-dataset"], "unknown dataset 'no-such-dataset'"),
-    (["cora", "--data-dir", "{tmp}"], "ind.cora.x"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["no-such-dataset"], "unknown dataset 'no-such-dataset'"),
+        (["cora", "--data-dir", "{tmp}"], "ind.cora.x"),
+    ],
+)
 def test_dataset_errors_come_before_any_progress_line(tmp_path, capsys, args, expected):
     args = [arg.format(tmp=tmp_path) for arg in args]
     assert main([*args, "--out", str(tmp_path / "set")]) == 2
@@ -166,9 +190,17 @@ def write_small_npz(path: Path, seed: int = 0) -> Path:
 
     graph = load_dataset(f"synthetic:nodes=200,degree=4,features=3,seed={seed}", None, progress=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, adj_indptr=graph.indptr, adj_indices=graph.indices, adj_shape=np.array([200, 200]),
-             features=graph.features, labels=graph.labels,
-             train_mask=graph.train_mask, val_mask=graph.val_mask, test_mask=graph.test_mask)
+    np.savez(
+        path,
+        adj_indptr=graph.indptr,
+        adj_indices=graph.indices,
+        adj_shape=np.array([200, 200]),
+        features=graph.features,
+        labels=graph.labels,
+        train_mask=graph.train_mask,
+        val_mask=graph.val_mask,
+        test_mask=graph.test_mask,
+    )
     return path
 
 
@@ -217,7 +249,9 @@ sys.exit(main(sys.argv[1:]))
 
 def test_sigterm_while_writing_cleans_up(tmp_path):
     out = tmp_path / "new" / "set"
-    result = run_script(TERMINATE_WHILE_WRITING, ["synthetic:nodes=300,degree=4", "--method", "random", "--out", str(out)])
+    result = run_script(
+        TERMINATE_WHILE_WRITING, ["synthetic:nodes=300,degree=4", "--method", "random", "--out", str(out)]
+    )
     assert result.returncode == 143, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM); no partition set was written"
     assert "Traceback" not in result.stderr
@@ -280,12 +314,13 @@ def test_subprocess_error_is_one_line(tmp_path):
     out = tmp_path / "set"
     result = subprocess.run(
         [sys.executable, "-m", "bnsgcn.partition.cli", "--parts", "0", CORA_NPZ, "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "error: --parts 0 must be at least 1; pass e.g. --parts 2"
-    ]
+    assert result.stderr.strip().splitlines() == ["error: --parts 0 must be at least 1; pass e.g. --parts 2"]
     assert "Traceback" not in result.stderr and not out.exists()
 
 
@@ -293,7 +328,10 @@ def test_subprocess_success(tmp_path):
     out = tmp_path / "set"
     result = subprocess.run(
         [sys.executable, "-m", "bnsgcn.partition.cli", CORA_NPZ, "--parts", "2", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert f"partition set written to {out}" in result.stdout
@@ -349,7 +387,11 @@ def test_step_reports_time_and_failure():
         with step("METIS", stream):
             raise RuntimeError("boom")
     frames = [frame.replace("\x1b[K", "") for frame in stream.getvalue().split("\r") if frame]
-    assert frames[0] == "METIS ..." and frames[-1].startswith("METIS ... failed after ") and stream.getvalue().count("\n") == 1
+    assert (
+        frames[0] == "METIS ..."
+        and frames[-1].startswith("METIS ... failed after ")
+        and stream.getvalue().count("\n") == 1
+    )
 
 
 def heartbeat_threads() -> list[threading.Thread]:
@@ -363,9 +405,13 @@ def test_step_heartbeat_on_a_terminal_redraws_the_elapsed_time():
         time.sleep(0.3)
     assert heartbeat_threads() == []
     frames = [frame.replace("\x1b[K", "") for frame in stream.getvalue().split("\r") if frame]
-    beats = [float(match[1]) for frame in frames if (match := re.fullmatch(r"METIS \.\.\. running for (\d+\.\d)s", frame))]
+    beats = [
+        float(match[1]) for frame in frames if (match := re.fullmatch(r"METIS \.\.\. running for (\d+\.\d)s", frame))
+    ]
     assert len(beats) >= 3 and beats == sorted(beats) and len(beats) == len(frames) - 2
-    assert frames[0] == "METIS ..." and frames[-1].startswith("METIS ... done in ") and stream.getvalue().count("\n") == 1
+    assert (
+        frames[0] == "METIS ..." and frames[-1].startswith("METIS ... done in ") and stream.getvalue().count("\n") == 1
+    )
     time.sleep(0.1)
     assert stream.getvalue().count("running for") == len(beats)  # nothing after the step ended
 
@@ -381,7 +427,7 @@ def test_step_heartbeat_in_a_log_and_nested_steps():
     assert lines[0] == "loading ..." and inner >= 3
     assert all(re.fullmatch(r"loading \.\.\. running for \d+\.\ds", line) for line in lines[1:inner])
     assert lines[inner + 1].startswith("reading ... done in ")
-    assert all("running for" in line for line in lines[inner + 2:-1])  # the outer beats again afterwards
+    assert all("running for" in line for line in lines[inner + 2 : -1])  # the outer beats again afterwards
     assert lines[-1].startswith("loading ... done in ")
 
 
@@ -394,7 +440,6 @@ def test_step_shorter_than_the_heartbeat_shows_none():
 
 def test_synthetic_dataset_end_to_end(tmp_path, capsys):
     from bnsgcn.partition.datasets import load_dataset
-
     from tests.test_partition import check_partition_set
 
     spec = "synthetic:nodes=600,degree=8,features=4,classes=3,seed=2"

@@ -13,13 +13,16 @@ import json
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 import bnsgcn.partition.coarse as coarse_module
 import bnsgcn.partition.datasets as datasets_module
 import bnsgcn.partition.order as order_module
 import bnsgcn.partition.partitioner as partitioner_module
 import bnsgcn.partition.writer as writer_module
-import numpy as np
-import pytest
+from bnsgcn.data.format import read_manifest
+from bnsgcn.errors import UserError
 from bnsgcn.partition.cli import main, parse_size
 from bnsgcn.partition.coarse import balance_caps, metis_bytes
 from bnsgcn.partition.datasets import Progress, load_dataset
@@ -28,9 +31,6 @@ from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec
 from bnsgcn.partition.graph import Graph
 from bnsgcn.partition.partitioner import assign, method_info, resolve_method
 from bnsgcn.partition.writer import write_partition_set
-
-from bnsgcn.data.format import read_manifest
-from bnsgcn.errors import UserError
 from tests.test_partition import (
     check_partition_set,
     clustered_graph,
@@ -55,7 +55,9 @@ def disconnected_graph(seed: int = 7) -> Graph:
     return make_graph("disconnected", np.concatenate(src), np.concatenate(dst), start + 50, seed)
 
 
-def planted_graph(blocks: int = 4, size: int = 500, degree_in: int = 12, degree_out: float = 1.0, seed: int = 3) -> tuple[Graph, np.ndarray]:
+def planted_graph(
+    blocks: int = 4, size: int = 500, degree_in: int = 12, degree_out: float = 1.0, seed: int = 3
+) -> tuple[Graph, np.ndarray]:
     """A planted partition: ``blocks`` blocks of ``size`` nodes, ~``degree_in`` neighbours inside a
     node's block and ~``degree_out`` outside; nodes shuffled so ids say nothing. Returns the graph
     and the planted block of every node."""
@@ -67,8 +69,13 @@ def planted_graph(blocks: int = 4, size: int = 500, degree_in: int = 12, degree_
     u = rng.integers(0, n, inside)
     v = np.array([rng.choice(members[b]) for b in block[u]])
     across = int(n * degree_out / 2)
-    graph = make_graph("planted", np.concatenate([u, rng.integers(0, n, across)]),
-                       np.concatenate([v, rng.integers(0, n, across)]), n, seed)
+    graph = make_graph(
+        "planted",
+        np.concatenate([u, rng.integers(0, n, across)]),
+        np.concatenate([v, rng.integers(0, n, across)]),
+        n,
+        seed,
+    )
     graph.train_mask = rng.random(n) < 0.5
     return graph, block
 
@@ -95,8 +102,13 @@ def levels(monkeypatch) -> list[int]:
 
 # clustered: all training nodes in one of 4 clusters, so METIS' parts of the coarse graph
 # can leave the training cap broken for the rebalancing to repair.
-GRAPHS = {"random": random_graph, "isolated": isolated_graph, "path": lambda: path_graph(200),
-          "disconnected": disconnected_graph, "clustered": clustered_graph}
+GRAPHS = {
+    "random": random_graph,
+    "isolated": isolated_graph,
+    "path": lambda: path_graph(200),
+    "disconnected": disconnected_graph,
+    "clustered": clustered_graph,
+}
 
 
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))
@@ -110,8 +122,9 @@ def test_coarse_writes_a_valid_balanced_set(tmp_path, levels, graph_name, parts)
     cap_nodes, cap_train = balance_caps(graph.num_nodes, int(graph.train_mask.sum()), parts)
     assert np.bincount(assignment, minlength=parts).max() <= cap_nodes
     assert np.bincount(assignment[graph.train_mask], minlength=parts).max() <= cap_train
-    manifest = write_partition_set(graph, assignment, tmp_path / "set", parts=parts,
-                                   method_info=method_info("coarse", "cut", 1), progress=False)
+    manifest = write_partition_set(
+        graph, assignment, tmp_path / "set", parts=parts, method_info=method_info("coarse", "cut", 1), progress=False
+    )
     check_partition_set(graph, tmp_path / "set", parts)
     assert manifest["report"]["totals"]["cut_edges"] == cut_of(graph, assignment)
     assert np.array_equal(assignment, assign(graph, parts, "coarse", "cut", seed=1))  # deterministic
@@ -152,7 +165,9 @@ def test_level_too_large_to_hold_grows_its_clusters_first(tmp_path, monkeypatch)
     cap_nodes, cap_train = balance_caps(graph.num_nodes, int(graph.train_mask.sum()), 4)
     assert np.bincount(assignment, minlength=4).max() <= cap_nodes
     assert np.bincount(assignment[graph.train_mask], minlength=4).max() <= cap_train
-    write_partition_set(graph, assignment, tmp_path / "set", parts=4, method_info=method_info("coarse", "cut", 0), progress=False)
+    write_partition_set(
+        graph, assignment, tmp_path / "set", parts=4, method_info=method_info("coarse", "cut", 0), progress=False
+    )
     check_partition_set(graph, tmp_path / "set", 4)
 
 
@@ -237,13 +252,22 @@ def out_of_memory_in_loader(monkeypatch) -> None:
     monkeypatch.setattr(datasets_module, "canonical_csr", fail)
 
 
-@pytest.mark.parametrize("where, phase, detail", [
-    (out_of_memory_in_writer, "writing partitions", "an allocation failed; it needs about"),
-    (out_of_memory_in_partitioner, "partitioning 400 nodes into 2 parts (coarse)", "allocating 8192.0 GiB failed; it needs about"),
-    (out_of_memory_in_loader, f"loading {SPEC}", "an allocation failed; "),
-    (out_of_memory_in_node_order, "ordering nodes into blocks", "an allocation failed; it needs about"),
-])
-def test_out_of_memory_is_one_line_naming_the_phase_and_leaves_nothing(tmp_path, capsys, monkeypatch, where, phase, detail):
+@pytest.mark.parametrize(
+    "where, phase, detail",
+    [
+        (out_of_memory_in_writer, "writing partitions", "an allocation failed; it needs about"),
+        (
+            out_of_memory_in_partitioner,
+            "partitioning 400 nodes into 2 parts (coarse)",
+            "allocating 8192.0 GiB failed; it needs about",
+        ),
+        (out_of_memory_in_loader, f"loading {SPEC}", "an allocation failed; "),
+        (out_of_memory_in_node_order, "ordering nodes into blocks", "an allocation failed; it needs about"),
+    ],
+)
+def test_out_of_memory_is_one_line_naming_the_phase_and_leaves_nothing(
+    tmp_path, capsys, monkeypatch, where, phase, detail
+):
     where(monkeypatch)
     out = tmp_path / "new" / "set"
     assert main([SPEC, "--method", "coarse", "--out", str(out)]) == 2
@@ -274,7 +298,9 @@ def test_writer_memory_is_a_fraction_of_the_edges(tmp_path):
     graph = make_graph("dense", rng.integers(0, n, m), rng.integers(0, n, m), n, seed=0)
     assignment = assign(graph, 8, "random")
     info = method_info("random", "cut", 0)
-    write_partition_set(graph, assignment, tmp_path / "warm", parts=8, method_info=info, progress=False)  # compiles the kernels
+    write_partition_set(
+        graph, assignment, tmp_path / "warm", parts=8, method_info=info, progress=False
+    )  # compiles the kernels
     tracemalloc.start()
     try:
         write_partition_set(graph, assignment, tmp_path / "set", parts=8, method_info=info, progress=False)
@@ -312,15 +338,20 @@ def corrupt(directory: Path, how: str) -> None:
     np.save(directory / "indices.npy", indices)
 
 
-@pytest.mark.parametrize("how, message", [
-    ("self-loop", "self-loop"),
-    ("unsorted", "not strictly ascending"),
-    ("missing", "lacks labels.npy"),
-    ("meta", "graph.json is unreadable"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("self-loop", "self-loop"),
+        ("unsorted", "not strictly ascending"),
+        ("missing", "lacks labels.npy"),
+        ("meta", "graph.json is unreadable"),
+    ],
+)
 def test_bad_csr_directory_is_one_error(tmp_path, capsys, how, message):
     directory = tmp_path / "graph"
-    write_synthetic_csr(parse_synthetic_spec("nodes=3000,degree=8,features=3,seed=0"), directory, Progress("csr", False))
+    write_synthetic_csr(
+        parse_synthetic_spec("nodes=3000,degree=8,features=3,seed=0"), directory, Progress("csr", False)
+    )
     if how == "missing":
         (directory / "labels.npy").unlink()
     elif how == "meta":
@@ -341,7 +372,11 @@ def test_asymmetric_csr_is_refused(tmp_path):
     np.save(directory / "indices.npy", np.array([2, 0, 1], dtype=np.int32))
     np.save(directory / "features.npy", np.zeros((3, 2), dtype=np.float32))
     np.save(directory / "labels.npy", np.zeros(3, dtype=np.int64))
-    for split, mask in (("train_mask", [True, False, False]), ("val_mask", [False, True, False]), ("test_mask", [False, False, True])):
+    for split, mask in (
+        ("train_mask", [True, False, False]),
+        ("val_mask", [False, True, False]),
+        ("test_mask", [False, False, True]),
+    ):
         np.save(directory / f"{split}.npy", np.array(mask))
     (directory / "graph.json").write_text(json.dumps({"name": "cycle", "num_classes": 1}))
     with pytest.raises(UserError, match="missing its reverse"):

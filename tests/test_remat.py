@@ -78,7 +78,9 @@ def record_gradients():
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [line["loss"] for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in line]
+    return [
+        line["loss"] for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in line
+    ]
 
 
 def _sampled(model: str, pre: bool, parts: Path, out: Path, **overrides):
@@ -92,7 +94,10 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
     plain.append(_sampled("graphsage", False, parts, tmp_path / "plain-batch", norm="batch"))
     plain.append(_sampled("gcn", False, parts, tmp_path / "plain-stale", staleness=1))
     # int8 rows are rounded at random when encoded: a recomputed layer must reuse them
-    plain += [_sampled(m, False, parts, tmp_path / f"plain-int8-{m}", compress="int8", compress_grad="none") for m in ("graphsage", "gat")]
+    plain += [
+        _sampled(m, False, parts, tmp_path / f"plain-int8-{m}", compress="int8", compress_grad="none")
+        for m in ("graphsage", "gat")
+    ]
     remat = [replace(c, remat=True, out=c.out.with_name(c.out.name.replace("plain", "remat"))) for c in plain]
     results = run_ranks(2, plain + remat, instrument=record_gradients)
     for i, (a, b) in enumerate(zip(plain, remat)):
@@ -136,8 +141,15 @@ def test_partition_arrays_are_used_in_place_and_never_written(parts):
     shard = load_shard(parts, 0, 2)
     spans = _mapped_files()
     topo = shard.topology
-    in_place = {"features": shard.features, "adj_indices": topo.indices, "adj_indptr": topo.indptr, "degree": topo.degree,
-                "send_nodes": topo.send_nodes, "labels": shard.labels, "train_mask": shard.train_mask}
+    in_place = {
+        "features": shard.features,
+        "adj_indices": topo.indices,
+        "adj_indptr": topo.indptr,
+        "degree": topo.degree,
+        "send_nodes": topo.send_nodes,
+        "labels": shard.labels,
+        "train_mask": shard.train_mask,
+    }
     for name, tensor in in_place.items():
         start, end = spans[str(files[name].resolve())]
         assert start <= tensor.data_ptr() < end, f"{name} was copied, not used in place"

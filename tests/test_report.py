@@ -27,8 +27,14 @@ LAG_FIGURES = {"lag", "time_lag_wait"}  # in reports of --max-lag runs only
 
 def _static(rank: int, inner: int, boundary: int, peak_mib: float, baseline_mib: float) -> dict:
     return {
-        "rank": rank, "host": "h", "device": "cpu", "inner_nodes": inner, "boundary_nodes": boundary, "edges": 10 * inner,
-        "peak_rss_bytes": int(peak_mib * MiB), "baseline_rss_bytes": int(baseline_mib * MiB),
+        "rank": rank,
+        "host": "h",
+        "device": "cpu",
+        "inner_nodes": inner,
+        "boundary_nodes": boundary,
+        "edges": 10 * inner,
+        "peak_rss_bytes": int(peak_mib * MiB),
+        "baseline_rss_bytes": int(baseline_mib * MiB),
     } | {key: inner * 1000 * (i + 1) for i, key in enumerate(HOLDERS)}
 
 
@@ -48,16 +54,52 @@ def _per_epoch(rows: list[dict]) -> list[dict]:
 
 def _hand_report(p: float = 1.0, scale: float = 1.0) -> dict:
     """Three ranks; rank 0 holds the most boundary nodes, memory and time."""
-    static = [_static(0, 100, 150, 3 * scale, 0.5), _static(1, 200, 100, 1 * scale, 0.5), _static(2, 300, 30, 2 * scale, 0.5)]
+    static = [
+        _static(0, 100, 150, 3 * scale, 0.5),
+        _static(1, 200, 100, 1 * scale, 0.5),
+        _static(2, 300, 30, 2 * scale, 0.5),
+    ]
     rows = [
-        {"sampled_boundary": 150 * p, "epoch_time": 2.0, "time_sampling": 0.1, "time_forward": 0.8, "time_exchange_forward": 0.3,
-         "time_backward": 0.6, "time_exchange_backward": 0.2, "time_reduction": 0.1, "time_evaluation": 0.2, "time_idle": 0.05,
-         "sent_features": 4000 * p, "sent_gradients": 2000 * p, "sent_reduction": 100, "received_features": 6000 * p, "saved_activation_bytes": 5 * MiB},
-        {"sampled_boundary": 100 * p, "epoch_time": 1.5, "time_sampling": 0.1, "time_exchange_selections": 0.2, "time_forward": 0.5,
-         "time_backward": 0.5, "time_exchange_backward": 0.1, "time_idle": 0.5,
-         "sent_features": 1000 * p, "received_features": 4000 * p, "saved_activation_bytes": 3 * MiB},
-        {"sampled_boundary": 30 * p, "epoch_time": 1.0, "time_forward": 0.4, "time_backward": 0.4, "time_idle": 1.0,
-         "sent_selections": 30, "received_features": 1200 * p, "saved_activation_bytes": 1 * MiB},
+        {
+            "sampled_boundary": 150 * p,
+            "epoch_time": 2.0,
+            "time_sampling": 0.1,
+            "time_forward": 0.8,
+            "time_exchange_forward": 0.3,
+            "time_backward": 0.6,
+            "time_exchange_backward": 0.2,
+            "time_reduction": 0.1,
+            "time_evaluation": 0.2,
+            "time_idle": 0.05,
+            "sent_features": 4000 * p,
+            "sent_gradients": 2000 * p,
+            "sent_reduction": 100,
+            "received_features": 6000 * p,
+            "saved_activation_bytes": 5 * MiB,
+        },
+        {
+            "sampled_boundary": 100 * p,
+            "epoch_time": 1.5,
+            "time_sampling": 0.1,
+            "time_exchange_selections": 0.2,
+            "time_forward": 0.5,
+            "time_backward": 0.5,
+            "time_exchange_backward": 0.1,
+            "time_idle": 0.5,
+            "sent_features": 1000 * p,
+            "received_features": 4000 * p,
+            "saved_activation_bytes": 3 * MiB,
+        },
+        {
+            "sampled_boundary": 30 * p,
+            "epoch_time": 1.0,
+            "time_forward": 0.4,
+            "time_backward": 0.4,
+            "time_idle": 1.0,
+            "sent_selections": 30,
+            "received_features": 1200 * p,
+            "saved_activation_bytes": 1 * MiB,
+        },
     ]
     info = {"config": {"model": "graphsage", "p": p}, "world_size": 3, "epochs": 4}
     return report.build(static, _per_epoch(rows), info)
@@ -85,7 +127,9 @@ def test_build_computes_spread_straggler_ratios_and_time_split():
     assert split["compute_forward"] == pytest.approx(0.5) and split["compute_backward"] == pytest.approx(0.4)
     assert split["other"] == pytest.approx(2.0 - (0.1 + 0.8 + 0.6 + 0.1 + 0.2))
     split = ranks[1]["time_split"]  # the selections' exchange is neither sampling nor compute
-    assert (split["sampling"], split["exchange_selections"], split["compute_backward"]) == pytest.approx((0.1, 0.2, 0.4))
+    assert (split["sampling"], split["exchange_selections"], split["compute_backward"]) == pytest.approx(
+        (0.1, 0.2, 0.4)
+    )
     assert split["other"] == pytest.approx(1.5 - (0.1 + 0.2 + 0.5 + 0.5))
     assert [r["time_exchange"] for r in ranks] == pytest.approx([0.5, 0.3, 0.0])
     for rank in ranks:  # the parts add up to the epoch plus the wait after it
@@ -102,7 +146,9 @@ def test_table_shows_every_rank_and_the_straggler():
     row = next(line for line in lines if line.startswith("peak memory (MiB)"))
     assert row.split()[3:6] == ["3.0", "1.0", "2.0"]
     # the holders of a rank's memory, each a row, in the order of bnsgcn.metrics.memory.HOLDERS
-    holder_rows = [next(i for i, line in enumerate(lines) if line.startswith(f"{label} (MiB)")) for label in HOLDERS.values()]
+    holder_rows = [
+        next(i for i, line in enumerate(lines) if line.startswith(f"{label} (MiB)")) for label in HOLDERS.values()
+    ]
     assert holder_rows == sorted(holder_rows)
 
 
@@ -154,10 +200,14 @@ def test_the_cli_reads_runs_without_importing_torch(tmp_path):
         "assert report.main(sys.argv[1:2]) == 0 and report.main(sys.argv[1:3]) == 0\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe, str(run), str(run)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(run), str(run)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[-1] == "torch imported: False" and any(line.startswith("peak memory (MiB)") for line in lines), done.stdout
+    assert lines[-1] == "torch imported: False" and any(line.startswith("peak memory (MiB)") for line in lines), (
+        done.stdout
+    )
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"ranks": []}'])
@@ -177,8 +227,20 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
     parts = partition(graph, 2, tmp_path / "parts", method="random")
 
     def config(p: float) -> TrainConfig:
-        return TrainConfig(parts_dir=parts, p=p, model="graphsage", layers=2, hidden=hidden, dropout=0.0, epochs=epochs,
-                           eval_every=0, precompute=False, device="cpu", out=tmp_path / f"p{p}", seed=1)
+        return TrainConfig(
+            parts_dir=parts,
+            p=p,
+            model="graphsage",
+            layers=2,
+            hidden=hidden,
+            dropout=0.0,
+            epochs=epochs,
+            eval_every=0,
+            precompute=False,
+            device="cpu",
+            out=tmp_path / f"p{p}",
+            seed=1,
+        )
 
     run_ranks(2, [config(1.0), config(0.5)])
     # Layer 1 (F=8 -> H=16) aggregates first and sends F columns; layer 2 (H=16 -> C=3)
@@ -195,10 +257,16 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
     assert not LAG_FIGURES & set(full["summary"])  # shown for --max-lag runs only (tests/test_lag.py)
     assert full["info"]["world_size"] == 2 and full["info"]["epochs"] == epochs
     assert full["info"]["steady_state"] == {"epochs_run": 2, "warmup_epochs_left_out": 1, "median_over_epochs": 1}
-    assert all(rank["peak_cuda_allocated_bytes"] is None and rank["peak_rss_bytes"] > 0 for rank in full["ranks"])  # CPU: not measured
+    assert all(
+        rank["peak_cuda_allocated_bytes"] is None and rank["peak_rss_bytes"] > 0 for rank in full["ranks"]
+    )  # CPU: not measured
     for r, rank in enumerate(full["ranks"]):
         e = rank["per_epoch"]
-        assert rank["rank"] == r and rank["inner_nodes"] == len(arrays[r]["inner_nodes"]) and rank["boundary_nodes"] == boundary[r]
+        assert (
+            rank["rank"] == r
+            and rank["inner_nodes"] == len(arrays[r]["inner_nodes"])
+            and rank["boundary_nodes"] == boundary[r]
+        )
         assert rank["boundary_inner_ratio"] == pytest.approx(boundary[r] / rank["inner_nodes"])
         assert e["sampled_boundary"] == boundary[r]
         assert e["received_features"] == boundary[r] * width_forward * FLOAT
@@ -217,7 +285,9 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
         assert rank["adjacency_bytes"] == 12 * nnz + 4 * n + 8 * (3 * (n + 1) + (nb + 1) + nb)
         params = [p.numel() for p in _sage_parameters(features, hidden, classes)]
         assert rank["parameter_bytes"] == 2 * FLOAT * sum(params)  # values and gradients
-        assert rank["optimizer_state_bytes"] == 2 * FLOAT * sum(params) + FLOAT * len(params)  # Adam: two moments and a step each
+        assert rank["optimizer_state_bytes"] == 2 * FLOAT * sum(params) + FLOAT * len(
+            params
+        )  # Adam: two moments and a step each
         assert rank["precomputed_bytes"] == 0 and rank["exchange_buffer_bytes"] > 0
         assert sum(rank["time_split"].values()) == pytest.approx(rank["epoch_time"] + rank["time_idle"])
     total_features = sum(r["per_epoch"]["sent_features"] for r in full["ranks"])
@@ -246,7 +316,16 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
 
 def _sage_parameters(features: int, hidden: int, classes: int) -> list[torch.Tensor]:
     """The parameters of a 2-layer GraphSAGE with layer norm between the layers."""
-    shapes = [(hidden, features), (hidden,), (hidden, features), (hidden,), (hidden,), (classes, hidden), (classes,), (classes, hidden)]
+    shapes = [
+        (hidden, features),
+        (hidden,),
+        (hidden, features),
+        (hidden,),
+        (hidden,),
+        (classes, hidden),
+        (classes,),
+        (classes, hidden),
+    ]
     return [torch.empty(s) for s in shapes]
 
 
@@ -283,7 +362,11 @@ def _cuda_report() -> dict:
     """Two CUDA ranks: device peaks next to host resident sets."""
     static = [_static(0, 100, 50, 900, 400), _static(1, 100, 60, 800, 400)]
     for r, (allocated, reserved) in enumerate(((3 * MiB, 4 * MiB), (1 * MiB, 2 * MiB))):
-        static[r] |= {"device": f"cuda:{r}", "peak_cuda_allocated_bytes": allocated, "peak_cuda_reserved_bytes": reserved}
+        static[r] |= {
+            "device": f"cuda:{r}",
+            "peak_cuda_allocated_bytes": allocated,
+            "peak_cuda_reserved_bytes": reserved,
+        }
     rows = [{"epoch_time": 1.0, "time_forward": 0.5, "time_backward": 0.4}] * 2
     return report.build(static, _per_epoch(rows), {"config": {"model": "gat", "p": 1.0}, "world_size": 2})
 
@@ -291,9 +374,15 @@ def _cuda_report() -> dict:
 def test_device_memory_next_to_host_memory_and_absent_on_cpu(tmp_path):
     cuda, cpu = _cuda_report(), _hand_report()
     assert [r["peak_memory_bytes"] for r in cuda["ranks"]] == [3 * MiB, 1 * MiB]  # the device's allocated peak
-    assert cuda["summary"]["peak_cuda_reserved_bytes"]["max"] == 4 * MiB and cuda["summary"]["peak_rss_bytes"]["max"] == 900 * MiB
+    assert (
+        cuda["summary"]["peak_cuda_reserved_bytes"]["max"] == 4 * MiB
+        and cuda["summary"]["peak_rss_bytes"]["max"] == 900 * MiB
+    )
     rows = {line.split("  ")[0]: line.split()[-8:] for line in report.render_table(cuda).splitlines()}
-    assert rows["peak device allocated (MiB)"][:2] == ["3.0", "1.0"] and rows["peak device reserved (MiB)"][:2] == ["4.0", "2.0"]
+    assert rows["peak device allocated (MiB)"][:2] == ["3.0", "1.0"] and rows["peak device reserved (MiB)"][:2] == [
+        "4.0",
+        "2.0",
+    ]
     assert rows["peak host RSS (MiB)"][:2] == ["900.0", "800.0"]
     # CPU: measured on no rank, so null in the JSON and "-" in the table, not 0
     assert all(r["peak_cuda_allocated_bytes"] is None and r["peak_cuda_reserved_bytes"] is None for r in cpu["ranks"])
@@ -310,18 +399,24 @@ def test_device_memory_next_to_host_memory_and_absent_on_cpu(tmp_path):
 
 def test_per_epoch_figures_are_steady_state_medians():
     """Warm-up epochs (kernel compilation) are left out; the median of the rest is reported."""
+
     def epochs(times: list[float]) -> list[torch.Tensor]:
         return [_table([{"epoch_time": t, "time_sampling": t / 10}, {"epoch_time": 2 * t}]) for t in times]
 
     medians, steady = report.steady_state(epochs([9.0, 5.0, 1.0, 3.0, 2.0, 100.0]), COLUMNS)
     assert steady == {"epochs_run": 6, "warmup_epochs_left_out": 2, "median_over_epochs": 4}
-    assert [m["epoch_time"] for m in medians] == pytest.approx([2.5, 5.0])  # median of 1, 3, 2, 100 (not the mean, 20.4)
+    assert [m["epoch_time"] for m in medians] == pytest.approx(
+        [2.5, 5.0]
+    )  # median of 1, 3, 2, 100 (not the mean, 20.4)
     assert medians[0]["time_sampling"] == pytest.approx(0.25)
     assert report.steady_state(epochs([9.0, 1.0]), COLUMNS)[1]["warmup_epochs_left_out"] == 1
     medians, steady = report.steady_state(epochs([9.0]), COLUMNS)
     assert steady["warmup_epochs_left_out"] == 0 and medians[0]["epoch_time"] == 9.0
     rep = report.build([_static(0, 1, 1, 1, 1), _static(1, 1, 1, 1, 1)], medians, {"steady_state": steady})
-    assert report.render_table(rep).splitlines()[-1] == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, allocator)"
+    assert (
+        report.render_table(rep).splitlines()[-1]
+        == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, allocator)"
+    )
     rep["info"]["steady_state"] = report.steady_state(epochs([9.0, 5.0, 1.0]), COLUMNS)[1]
     assert "medians over 1 of 3 epochs run, the first 2 left out" in report.render_table(rep)
 
@@ -330,15 +425,26 @@ def test_other_time_is_each_epochs_remainder_then_its_median():
     """'other' is what each epoch holds beyond its measured parts, its median over the steady
     epochs: a last epoch that also evaluates, or slow epochs, move it no more than any other
     figure (the median epoch less the parts' medians would take 2.1 here)."""
+
     def epoch(forward: float, backward: float, evaluation: float = 0.0) -> torch.Tensor:
-        row = {"time_forward": forward, "time_backward": backward, "time_evaluation": evaluation,
-               "epoch_time": forward + backward + evaluation + 0.1}  # 0.1 s beyond the parts: the optimizer step
+        row = {
+            "time_forward": forward,
+            "time_backward": backward,
+            "time_evaluation": evaluation,
+            "epoch_time": forward + backward + evaluation + 0.1,
+        }  # 0.1 s beyond the parts: the optimizer step
         return _table([row])
 
     # warm-up, warm-up, then fast, slow, fast, slow, and a last epoch that evaluates
     tables = [epoch(5, 5), epoch(5, 5), epoch(1, 1), epoch(2, 2), epoch(1, 1), epoch(2, 2), epoch(1, 1, evaluation=3)]
     (medians,), _ = report.steady_state(tables, COLUMNS)
-    expected = sorted(float(t[0, COLUMNS.index("epoch_time")] - sum(t[0, COLUMNS.index(c)] for c in ("time_forward", "time_backward", "time_evaluation"))) for t in tables[2:])
+    expected = sorted(
+        float(
+            t[0, COLUMNS.index("epoch_time")]
+            - sum(t[0, COLUMNS.index(c)] for c in ("time_forward", "time_backward", "time_evaluation"))
+        )
+        for t in tables[2:]
+    )
     assert medians["time_other"] == pytest.approx(expected[len(expected) // 2]) == pytest.approx(0.1)
     split = report.build([_static(0, 1, 1, 1, 1)], [medians], {})["ranks"][0]["time_split"]
     assert split["other"] == pytest.approx(0.1)

@@ -48,7 +48,10 @@ def test_a_rank_that_cannot_load_the_choice_stops_the_job(tmp_path):
     _save(tmp_path, 2)
     chosen = checkpoint.checkpoint_dir(tmp_path) / "checkpoint-000002.pt"
     chosen.write_bytes(b"torn")  # what rank 1 sees there
-    with pytest.raises(UserError, match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(\w+\); every rank must see the same run directory"):
+    with pytest.raises(
+        UserError,
+        match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(\w+\); every rank must see the same run directory",
+    ):
         _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, stale=None)
     chosen.unlink()
     with pytest.raises(UserError, match=r"^rank 1: .*checkpoint-000002.pt is missing on this machine"):

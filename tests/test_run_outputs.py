@@ -20,7 +20,18 @@ from bnsgcn.sync.reducer import GradientReducer
 from . import reference
 from .distributed import partition, random_graph, run_ranks
 
-TIME_KEYS = {"epoch", "sampling", "exchange", "compute", "reduction", "evaluation", "idle", "injected_delay", "sync", "elapsed"}
+TIME_KEYS = {
+    "epoch",
+    "sampling",
+    "exchange",
+    "compute",
+    "reduction",
+    "evaluation",
+    "idle",
+    "injected_delay",
+    "sync",
+    "elapsed",
+}
 SCORE_KEYS = {"train_score", "val_score", "test_score"}
 
 
@@ -29,7 +40,20 @@ def test_metrics_log_json_and_config(tmp_path):
     parts = partition(graph, 2, tmp_path / "parts")
     run_dir, copy = tmp_path / "run", tmp_path / "copy.jsonl"
     # precompute left to the run (None): config.json must say what it chose
-    config = TrainConfig(parts_dir=parts, p=0.5, model="graphsage", layers=2, hidden=8, dropout=0.2, epochs=5, eval_every=2, device="cpu", out=run_dir, log_json=copy, seed=4)
+    config = TrainConfig(
+        parts_dir=parts,
+        p=0.5,
+        model="graphsage",
+        layers=2,
+        hidden=8,
+        dropout=0.2,
+        epochs=5,
+        eval_every=2,
+        device="cpu",
+        out=run_dir,
+        log_json=copy,
+        seed=4,
+    )
     run_ranks(2, [config])
 
     text = (run_dir / "metrics.jsonl").read_text()
@@ -68,7 +92,9 @@ def test_metrics_log_json_and_config(tmp_path):
 def _shard(labels, logits_rows: int, multilabel: bool) -> SimpleNamespace:
     """Node 0 and 1 train, node 2 validation, node 3 test."""
     masks = [torch.tensor([i in split for i in range(logits_rows)]) for split in ((0, 1), (2,), (3,))]
-    return SimpleNamespace(labels=labels, multilabel=multilabel, train_mask=masks[0], val_mask=masks[1], test_mask=masks[2])
+    return SimpleNamespace(
+        labels=labels, multilabel=multilabel, train_mask=masks[0], val_mask=masks[1], test_mask=masks[2]
+    )
 
 
 def test_micro_f1_counts_and_scores():
@@ -77,16 +103,22 @@ def test_micro_f1_counts_and_scores():
     # predicted (logit > 0) vs true per node: 0: {0,2} vs {0,1}; 1: {1} vs {1}; 2: {0,1} vs {1,2}; 3: {2} vs {2}
     # train (nodes 0, 1): tp 2, fp 1, fn 1; validation (node 2): tp 1, fp 1, fn 1; test (node 3): tp 1
     counts = _score_counts(logits, _shard(labels, 4, multilabel=True))
-    torch.testing.assert_close(counts, torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        counts, torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    )
     # micro-F1 = 2 tp / (2 tp + fp + fn)
-    assert _scores(counts, multilabel=True) == pytest.approx({"train_score": 4 / 6, "val_score": 2 / 4, "test_score": 1.0})
+    assert _scores(counts, multilabel=True) == pytest.approx(
+        {"train_score": 4 / 6, "val_score": 2 / 4, "test_score": 1.0}
+    )
 
 
 def test_accuracy_counts_and_scores():
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0], [1.0, -1.0]])
     labels = torch.tensor([0, 1, 1, 0])  # argmax 0, 1, 0, 0: node 2 is wrong
     counts = _score_counts(logits, _shard(labels, 4, multilabel=False))
-    torch.testing.assert_close(counts, torch.tensor([[2.0, 2.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        counts, torch.tensor([[2.0, 2.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    )
     assert _scores(counts, multilabel=False) == {"train_score": 1.0, "val_score": 0.0, "test_score": 1.0}
 
 
@@ -94,7 +126,10 @@ def test_several_gradient_buckets_match_single_process(tmp_path):
     graph = random_graph(num_nodes=48, seed=2)
     parts = partition(graph, 2, tmp_path / "parts")
     tiny = 256 / 2**20  # MiB: a few parameter tensors per bucket
-    configs = [reference.exact_config(model, False, parts, tmp_path / f"run-{model}", bucket_mb=tiny) for model in ("graphsage", "gat")]
+    configs = [
+        reference.exact_config(model, False, parts, tmp_path / f"run-{model}", bucket_mb=tiny)
+        for model in ("graphsage", "gat")
+    ]
     one_rank = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     for config in configs:  # the ranks build the same reducer: it has several buckets
         torch.manual_seed(config.seed)

@@ -54,7 +54,19 @@ def test_sampled_mean_aggregation_is_unbiased(tmp_path):
 
 
 def _config(parts, out, **kw) -> TrainConfig:
-    base = dict(parts_dir=parts, model="graphsage", layers=2, hidden=8, dropout=0.5, epochs=6, eval_every=3, device="cpu", out=out, seed=11, precompute=False)
+    base = dict(
+        parts_dir=parts,
+        model="graphsage",
+        layers=2,
+        hidden=8,
+        dropout=0.5,
+        epochs=6,
+        eval_every=3,
+        device="cpu",
+        out=out,
+        seed=11,
+        precompute=False,
+    )
     return TrainConfig(**(base | kw))
 
 

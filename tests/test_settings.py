@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
 def test_docs_table_lists_exactly_the_parser_flags_with_their_defaults():
     parser_flags = {s for a in _parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
     documented = _documented_flags()
-    assert set(documented) == parser_flags, f"only in docs: {set(documented) - parser_flags}; only in the parser: {parser_flags - set(documented)}"
+    assert set(documented) == parser_flags, (
+        f"only in docs: {set(documented) - parser_flags}; only in the parser: {parser_flags - set(documented)}"
+    )
     for f in fields(TrainConfig):
         if f.default is not None and not isinstance(f.default, bool) and "shown" not in f.metadata:
             cell = documented[flag_name(f.name)]
@@ -50,5 +52,9 @@ def test_docs_table_lists_exactly_the_parser_flags_with_their_defaults():
 def test_parser_defaults_are_the_dataclass_defaults():
     parsed = from_args(_parser().parse_args([]))
     assert parsed == TrainConfig()
-    flipped = from_args(_parser().parse_args(["--no-precompute", "--resume", "--out", "x", "--staleness", "1", "--stale-smoothing", "0.5"]))
+    flipped = from_args(
+        _parser().parse_args(
+            ["--no-precompute", "--resume", "--out", "x", "--staleness", "1", "--stale-smoothing", "0.5"]
+        )
+    )
     assert (flipped.precompute, flipped.resume, flipped.staleness, flipped.stale_smoothing) == (False, True, 1, 0.5)

@@ -49,9 +49,35 @@ SLURM_DIR = Path(os.environ.get("BNSGCN_SLURM_DIR", "/tmp/bnsgcn-slurm"))
 SLURM_CONF = SLURM_DIR / "etc" / "slurm.conf"
 RECIPE_S = 240  # install (apt-get, when missing) and start the daemons, on a loaded machine
 STEP_S = 180  # for one short job step
-FLAGS = ["--layers", "2", "--hidden", "8", "--p", "0.5", "--dropout", "0.3", "--seed", "5", "--eval-every", "2", "--threads", "1", "--timeout", "60"]
+FLAGS = [
+    "--layers",
+    "2",
+    "--hidden",
+    "8",
+    "--p",
+    "0.5",
+    "--dropout",
+    "0.3",
+    "--seed",
+    "5",
+    "--eval-every",
+    "2",
+    "--threads",
+    "1",
+    "--timeout",
+    "60",
+]
 # Variables of an enclosing launch that must not leak into the jobs started here.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "BNSGCN_LAUNCH")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "BNSGCN_LAUNCH",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -84,14 +110,22 @@ def job_processes(run_dir: Path, rank: int | None = None) -> list[psutil.Process
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory) -> Path:
-    return partition(random_graph(num_nodes=120, avg_degree=5, seed=7), 2, tmp_path_factory.mktemp("slurm") / "parts" / "graph-2")
+    return partition(
+        random_graph(num_nodes=120, avg_degree=5, seed=7), 2, tmp_path_factory.mktemp("slurm") / "parts" / "graph-2"
+    )
 
 
 @pytest.fixture(scope="module")
 def local_run(parts: Path) -> Path:
     """The reference: the same job run by the local launcher."""
     run_dir = parts.parent.parent / "local"
-    done = subprocess.run([*TRAIN, "--procs", "2", "--parts-dir", str(parts), "--out", str(run_dir), "--epochs", "6", *FLAGS], env=clean_env(), capture_output=True, text=True, timeout=STEP_S)
+    done = subprocess.run(
+        [*TRAIN, "--procs", "2", "--parts-dir", str(parts), "--out", str(run_dir), "--epochs", "6", *FLAGS],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=STEP_S,
+    )
     assert done.returncode == 0, done.stderr
     return run_dir
 
@@ -101,9 +135,26 @@ def local_run(parts: Path) -> Path:
 
 def test_stop_signal_checkpoints_every_rank_and_a_requeued_job_resumes(tmp_path, parts):
     run_dir = tmp_path / "run"
-    argv = [*TRAIN, "--procs", "2", "--parts-dir", str(parts), "--out", str(run_dir), *FLAGS, "--checkpoint-every", "100000"]
+    argv = [
+        *TRAIN,
+        "--procs",
+        "2",
+        "--parts-dir",
+        str(parts),
+        "--out",
+        str(run_dir),
+        *FLAGS,
+        "--checkpoint-every",
+        "100000",
+    ]
     with open(tmp_path / "job.err", "w") as stderr:
-        job = subprocess.Popen([*argv, "--epochs", "1000000"], env=clean_env(), stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        job = subprocess.Popen(
+            [*argv, "--epochs", "1000000"],
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + STEP_S
         while len(epochs(run_dir)) < 3:
@@ -118,11 +169,21 @@ def test_stop_signal_checkpoints_every_rank_and_a_requeued_job_resumes(tmp_path,
     assert job.returncode == 128 + signal.SIGUSR1
     last_line = (tmp_path / "job.err").read_text().strip().splitlines()[-1]
     stopped = epochs(run_dir)[-1]
-    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in last_line, last_line
-    assert (run_dir / "checkpoints" / f"checkpoint-{stopped:06d}.pt").is_file()  # not on the --checkpoint-every schedule
+    assert f"stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in last_line, (
+        last_line
+    )
+    assert (
+        run_dir / "checkpoints" / f"checkpoint-{stopped:06d}.pt"
+    ).is_file()  # not on the --checkpoint-every schedule
 
     # The batch system runs the same command again (no --resume): it continues from there.
-    again = subprocess.run([*argv, "--epochs", str(stopped + 2)], env=clean_env(SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=STEP_S)
+    again = subprocess.run(
+        [*argv, "--epochs", str(stopped + 2)],
+        env=clean_env(SLURM_RESTART_COUNT="1"),
+        capture_output=True,
+        text=True,
+        timeout=STEP_S,
+    )
     assert again.returncode == 0, again.stderr
     assert f"resumed from epoch {stopped}" in again.stdout + again.stderr
     assert epochs(run_dir) == list(range(1, stopped + 3))
@@ -133,7 +194,24 @@ def test_master_that_never_answers_fails_after_the_timeout_with_one_line(tmp_pat
     # --device cpu: on a machine with one GPU, --device auto would refuse rank 1 (LOCAL_RANK 1) first
     env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    done = subprocess.run([*TRAIN, "--parts-dir", str(parts), "--out", str(tmp_path / "run"), *FLAGS, "--device", "cpu", "--timeout", "3"], env=env, capture_output=True, text=True, timeout=STEP_S)
+    done = subprocess.run(
+        [
+            *TRAIN,
+            "--parts-dir",
+            str(parts),
+            "--out",
+            str(tmp_path / "run"),
+            *FLAGS,
+            "--device",
+            "cpu",
+            "--timeout",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STEP_S,
+    )
     elapsed = time.monotonic() - start
     assert done.returncode == 4
     assert done.stderr.strip().splitlines() == [
@@ -169,7 +247,10 @@ def test_the_store_names_the_rank_that_stopped_or_failed_first():
     peer.start()
     said[0] = ranks[0].who_stopped(wait_s=3)
     peer.join()
-    assert said == {0: "rank 1 stopped at epoch 7 while the others waited", 2: "rank 1 stopped at epoch 7 while the others waited"}
+    assert said == {
+        0: "rank 1 stopped at epoch 7 while the others waited",
+        2: "rank 1 stopped at epoch 7 while the others waited",
+    }
     # a rank that fails for a reason of its own is quoted; the first one stays
     ranks[1].report_failure("features.npy is truncated")
     ranks[2].report_failure("a later failure")
@@ -191,9 +272,15 @@ def _two_nodes_up(env: dict[str, str], within_s: float = 0.0) -> bool:
     deadline = time.monotonic() + within_s
     while True:
         try:
-            nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True, timeout=20)
+            nodes = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True, timeout=20
+            )
             states = dict(line.split() for line in nodes.stdout.splitlines() if line.strip())
-            if nodes.returncode == 0 and {"n1", "n2"} <= states.keys() and all(states[n] in ("idle", "mixed", "allocated") for n in ("n1", "n2")):
+            if (
+                nodes.returncode == 0
+                and {"n1", "n2"} <= states.keys()
+                and all(states[n] in ("idle", "mixed", "allocated") for n in ("n1", "n2"))
+            ):
                 return True
         except subprocess.TimeoutExpired:
             pass
@@ -216,9 +303,13 @@ def slurm() -> Iterator[dict[str, str]]:
         yield env
         return
     if (SLURM_DIR / "state" / "daemons.pids").is_file():  # its daemons hold the ports; stopping them is not ours to do
-        pytest.skip(f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it (slurm-local.sh stop) or start it with 'two'")
+        pytest.skip(
+            f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it (slurm-local.sh stop) or start it with 'two'"
+        )
     try:
-        started = subprocess.run(["bash", str(RECIPE), "two"], env=env, capture_output=True, text=True, timeout=RECIPE_S)
+        started = subprocess.run(
+            ["bash", str(RECIPE), "two"], env=env, capture_output=True, text=True, timeout=RECIPE_S
+        )
     except subprocess.TimeoutExpired:
         started = None
     try:
@@ -236,7 +327,24 @@ def srun(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.CompletedProc
 
 def test_two_node_srun_job_matches_the_local_run_and_records_the_launch(slurm, tmp_path, parts, local_run):
     # n1 and n2 are names only SLURM knows (both nodes are this host): rank 0's address is given.
-    done = srun(slurm, tmp_path, "srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *TRAIN, "--master-addr", "127.0.0.1", "--parts-dir", str(parts), "--epochs", "6", *FLAGS)
+    done = srun(
+        slurm,
+        tmp_path,
+        "srun",
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        *TRAIN,
+        "--master-addr",
+        "127.0.0.1",
+        "--parts-dir",
+        str(parts),
+        "--epochs",
+        "6",
+        *FLAGS,
+    )
     assert done.returncode == 0, done.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert losses(run_dir) == losses(local_run)
@@ -247,15 +355,52 @@ def test_two_node_srun_job_matches_the_local_run_and_records_the_launch(slurm, t
 
 
 def test_one_launcher_per_node_inside_a_larger_allocation(slurm, tmp_path, parts, local_run):
-    launcher = " ".join([*TRAIN, "--nnodes", "2", "--node-rank", "$SLURM_NODEID", "--procs", "1", "--master-addr", "127.0.0.1", "--parts-dir", str(parts), "--epochs", "6", *FLAGS])
+    launcher = " ".join(
+        [
+            *TRAIN,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "$SLURM_NODEID",
+            "--procs",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--parts-dir",
+            str(parts),
+            "--epochs",
+            "6",
+            *FLAGS,
+        ]
+    )
     # Two nodes, two tasks each (-O: the test nodes have one CPU each). The naive form:
     # srun --ntasks-per-node=1 still runs the allocation's 4 tasks; refused before any rank starts.
-    naive = srun(slurm, tmp_path, "salloc", "-N", "2", "-n", "4", "-O", "srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", f"{launcher} --out {tmp_path / 'naive'}")
+    naive = srun(
+        slurm,
+        tmp_path,
+        "salloc",
+        "-N",
+        "2",
+        "-n",
+        "4",
+        "-O",
+        "srun",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "bash",
+        "-c",
+        f"{launcher} --out {tmp_path / 'naive'}",
+    )
     assert naive.returncode != 0
-    assert "error: this srun step runs 4 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1" in naive.stderr, naive.stderr
+    assert (
+        "error: this srun step runs 4 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1"
+        in naive.stderr
+    ), naive.stderr
     assert not (tmp_path / "naive").exists()
     # The documented form.
-    step = f"srun -n $SLURM_NNODES --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '{launcher} --out {tmp_path / 'run'}'"
+    step = (
+        f"srun -n $SLURM_NNODES --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '{launcher} --out {tmp_path / 'run'}'"
+    )
     done = srun(slurm, tmp_path, "salloc", "-N", "2", "-n", "4", "-O", "bash", "-c", step)
     assert done.returncode == 0, done.stderr
     assert losses(tmp_path / "run") == losses(local_run)
@@ -273,7 +418,24 @@ def assert_cause_named(stderr: str, task_exit: str, survivor: str, blame: str) -
 
 def test_killed_rank_ends_the_step_and_is_named(slurm, tmp_path, parts):
     run_dir = tmp_path / "run"
-    argv = ["srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *TRAIN, "--master-addr", "127.0.0.1", "--parts-dir", str(parts), "--out", str(run_dir), *FLAGS, "--epochs", "1000000"]
+    argv = [
+        "srun",
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        *TRAIN,
+        "--master-addr",
+        "127.0.0.1",
+        "--parts-dir",
+        str(parts),
+        "--out",
+        str(run_dir),
+        *FLAGS,
+        "--epochs",
+        "1000000",
+    ]
     job = subprocess.Popen(argv, cwd=tmp_path, env=slurm, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + STEP_S
@@ -304,7 +466,26 @@ def test_failing_rank_ends_the_step_and_is_named(slurm, tmp_path, parts):
     shutil.copytree(parts, bad)
     features = bad / "part-1" / "features.npy"
     features.write_bytes(features.read_bytes()[:-8])  # truncated: rank 1 refuses its partition
-    done = srun(slurm, tmp_path, "srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *TRAIN, "--master-addr", "127.0.0.1", "--parts-dir", str(bad), "--out", str(tmp_path / "run"), *FLAGS, "--epochs", "100")
+    done = srun(
+        slurm,
+        tmp_path,
+        "srun",
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        *TRAIN,
+        "--master-addr",
+        "127.0.0.1",
+        "--parts-dir",
+        str(bad),
+        "--out",
+        str(tmp_path / "run"),
+        *FLAGS,
+        "--epochs",
+        "100",
+    )
     assert done.returncode != 0
     assert f"error: [rank 1] {features} has " in done.stderr
     assert_cause_named(done.stderr, "task 1: Exited with exit code 2", "error: [rank 0] ", "rank 1 failed first")
@@ -316,14 +497,42 @@ def test_sigusr1_to_the_job_checkpoints_and_the_requeued_job_resumes(slurm, tmp_
     exporting SLURM_RESTART_COUNT=1 to the next step: SLURM holds a really requeued job for
     two minutes before it may start again."""
     run_dir, name = tmp_path / "run", f"bnsgcn-usr1-{os.getpid()}"
-    step = ["srun", "-J", name, "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *TRAIN, "--master-addr", "127.0.0.1", "--parts-dir", str(parts), "--out", str(run_dir), *FLAGS, "--checkpoint-every", "100000"]
-    job = subprocess.Popen([*step, "--epochs", "1000000"], cwd=tmp_path, env=slurm, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    step = [
+        "srun",
+        "-J",
+        name,
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        *TRAIN,
+        "--master-addr",
+        "127.0.0.1",
+        "--parts-dir",
+        str(parts),
+        "--out",
+        str(run_dir),
+        *FLAGS,
+        "--checkpoint-every",
+        "100000",
+    ]
+    job = subprocess.Popen(
+        [*step, "--epochs", "1000000"],
+        cwd=tmp_path,
+        env=slurm,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + STEP_S
         while len(epochs(run_dir)) < 3:
             assert job.poll() is None and time.monotonic() < deadline, "the step did not start training"
             time.sleep(0.05)
-        job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=slurm, capture_output=True, text=True, timeout=20).stdout.strip()
+        job_id = subprocess.run(
+            ["squeue", "-h", "-n", name, "-o", "%i"], env=slurm, capture_output=True, text=True, timeout=20
+        ).stdout.strip()
         subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm, check=True, timeout=20)
         _, stderr = job.communicate(timeout=STEP_S)
     finally:
@@ -333,7 +542,10 @@ def test_sigusr1_to_the_job_checkpoints_and_the_requeued_job_resumes(slurm, tmp_
     assert job.returncode == 128 + signal.SIGUSR1, stderr
     stopped = epochs(run_dir)[-1]
     for rank in (0, 1):
-        assert f"error: [rank {rank}] stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}" in stderr, stderr
+        assert (
+            f"error: [rank {rank}] stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}"
+            in stderr
+        ), stderr
     assert (run_dir / "checkpoints" / f"checkpoint-{stopped:06d}.pt").is_file()
     again = srun(slurm | {"SLURM_RESTART_COUNT": "1"}, tmp_path, *step, "--epochs", str(stopped + 2))
     assert again.returncode == 0, again.stderr

@@ -57,7 +57,9 @@ class StaleReference:
         for r in range(WORLD):
             arrays = load_partition(parts_dir, r)
             self.part_of[np.asarray(arrays["inner_nodes"])] = r
-            self.boundary.append((torch.from_numpy(np.array(arrays["boundary_nodes"])), np.diff(arrays["boundary_offsets"]).tolist()))
+            self.boundary.append(
+                (torch.from_numpy(np.array(arrays["boundary_nodes"])), np.diff(arrays["boundary_offsets"]).tolist())
+            )
         self.part_of_t = torch.from_numpy(self.part_of)
         self.x = torch.from_numpy(graph.features).double()
 
@@ -79,7 +81,9 @@ class StaleReference:
             rows = self.part_of_t == r
             own = norm[rows][:, rows] @ s[rows]
             cols = sampled[r]
-            out = out.index_put((rows.nonzero().flatten(),), own + norm[rows][:, cols] @ remote[r][cols] / self.config.p)
+            out = out.index_put(
+                (rows.nonzero().flatten(),), own + norm[rows][:, cols] @ remote[r][cols] / self.config.p
+            )
         return out
 
     def gat(self, p: dict, h: Tensor, z: Tensor, remote_z: list[Tensor], sampled: list[Tensor], last: bool) -> Tensor:
@@ -129,7 +133,11 @@ class StaleReference:
                         key, fresh = (r, layer), sampled[r]
                         average = row_average.setdefault(key, torch.zeros_like(value))
                         seen = row_seen.setdefault(key, torch.zeros(value.shape[0], dtype=torch.bool))
-                        mixed = torch.where(seen.view(-1, *[1] * (value.dim() - 1)), smoothing * average + (1 - smoothing) * value, value)
+                        mixed = torch.where(
+                            seen.view(-1, *[1] * (value.dim() - 1)),
+                            smoothing * average + (1 - smoothing) * value,
+                            value,
+                        )
                         average[fresh] = mixed[fresh]
                         seen |= fresh
                         value = average.clone()
@@ -182,7 +190,11 @@ class StaleReference:
                     continue  # input features: no gradient goes back
                 summed = sum(v.grad for v in values)
                 if smoothing is not None:
-                    summed = grad_average[layer] = summed if layer not in grad_average else smoothing * grad_average[layer] + (1 - smoothing) * summed
+                    summed = grad_average[layer] = (
+                        summed
+                        if layer not in grad_average
+                        else smoothing * grad_average[layer] + (1 - smoothing) * summed
+                    )
                 stale_grads[layer] = summed
             previous_sent = {layer: s.detach() for layer, s in sent.items()}
         return losses, {k: v.detach() for k, v in params.items()}
@@ -251,7 +263,10 @@ def test_resume_equals_the_uninterrupted_run_and_a_seed_repeats(parts, tmp_path)
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
     assert sorted(p.name for p in (first.out / "checkpoints").iterdir()) == sorted(expected)
     # The stale rows were drawn for p = 0.5: another p cannot continue from them.
-    with pytest.raises(AssertionError, match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume --staleness 1 with those"):
+    with pytest.raises(
+        AssertionError,
+        match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume --staleness 1 with those",
+    ):
         run_ranks(WORLD, [replace(rest, p=0.3, epochs=8)], nodes=NODES)
 
 
@@ -268,7 +283,9 @@ WIRE_LOSS_BOUND = {"none": 1e-6, "fp16": 1e-4, "bf16": 1e-3, "int8": 1e-3, "int4
 
 
 def test_staleness_composes_with_every_wire_format(graph, parts, tmp_path):
-    configs = [stale_config("graphsage", parts, tmp_path / name, p=0.5, compress=name, epochs=4) for name in WIRE_LOSS_BOUND]
+    configs = [
+        stale_config("graphsage", parts, tmp_path / name, p=0.5, compress=name, epochs=4) for name in WIRE_LOSS_BOUND
+    ]
     run_ranks(WORLD, configs, nodes=NODES)
     reference, _ = StaleReference(configs[0], graph, parts).train()
     for config in configs:
@@ -284,15 +301,32 @@ def test_staleness_composes_with_every_wire_format(graph, parts, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "line"),
     [
-        (["--staleness", "2"], "error: --staleness 2 is not supported; choose --staleness 0 (exact exchange) or 1 (one epoch stale)"),
-        (["--staleness", "1", "--stale-smoothing", "1.5"], "error: --stale-smoothing 1.5 is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9"),
-        (["--staleness", "1", "--stale-smoothing", "0"], "error: --stale-smoothing 0.0 is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9"),
-        (["--stale-smoothing", "0.9"], "error: --stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing"),
+        (
+            ["--staleness", "2"],
+            "error: --staleness 2 is not supported; choose --staleness 0 (exact exchange) or 1 (one epoch stale)",
+        ),
+        (
+            ["--staleness", "1", "--stale-smoothing", "1.5"],
+            "error: --stale-smoothing 1.5 is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9",
+        ),
+        (
+            ["--staleness", "1", "--stale-smoothing", "0"],
+            "error: --stale-smoothing 0.0 is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9",
+        ),
+        (
+            ["--stale-smoothing", "0.9"],
+            "error: --stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing",
+        ),
     ],
     ids=["staleness-2", "smoothing-above-1", "smoothing-0", "smoothing-without-staleness"],
 )
 def test_bad_staleness_flags_are_one_line_errors(tmp_path, flags, line):
-    done = subprocess.run([sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), *flags], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [line]
     assert not any(tmp_path.iterdir())  # nothing written

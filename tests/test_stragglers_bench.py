@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def epoch(n: int, elapsed: float, evaluation: float = 0.0, val: float | None = None) -> dict:
-    record = {"epoch": n, "time": {"epoch": 99.0, "elapsed": elapsed, "evaluation": evaluation}}  # time.epoch is never read
+    record = {
+        "epoch": n,
+        "time": {"epoch": 99.0, "elapsed": elapsed, "evaluation": evaluation},
+    }  # time.epoch is never read
     return record if val is None else record | {"val_score": val, "test_score": val - 0.01}
 
 
@@ -33,18 +36,29 @@ def test_training_seconds_are_elapsed_minus_every_evaluation_so_far():
 
 
 def record(label: str, sync: str, curve: list[tuple[int, float, float]], seed: int = 0, pool: bool = False) -> dict:
-    return {"label": label, "sync": sync, "pool": pool, "seed": seed, "val_curve": [list(c) for c in curve], "best_val_score": max(v for _, _, v in curve)}
+    return {
+        "label": label,
+        "sync": sync,
+        "pool": pool,
+        "seed": seed,
+        "val_curve": [list(c) for c in curve],
+        "best_val_score": max(v for _, _, v in curve),
+    }
 
 
 def test_target_is_the_baselines_best_minus_one_point_and_allreduce_is_no_candidate():
-    document = {"runs": [
-        record("allreduce", "allreduce", [(5, 10.0, 0.5), (10, 20.0, 0.90), (15, 30.0, 0.95)]),  # target 0.94, reached at 30 s
-        record("pool-allreduce", "allreduce", [(5, 5.0, 0.94)], pool=True),  # faster, but not a mode of the target
-        record("gossip1", "gossip:1", [(5, 15.0, 0.93), (10, 25.0, 0.941)]),
-        record("pool-partial4", "partial:4", [(5, 17.0, 0.945)], pool=True),
-        record("partial4", "partial:4", [(5, 10.0, 0.90)]),
-        {"label": "broken", "name": "broken-s0", "error": "node 1 failed"},
-    ]}
+    document = {
+        "runs": [
+            record(
+                "allreduce", "allreduce", [(5, 10.0, 0.5), (10, 20.0, 0.90), (15, 30.0, 0.95)]
+            ),  # target 0.94, reached at 30 s
+            record("pool-allreduce", "allreduce", [(5, 5.0, 0.94)], pool=True),  # faster, but not a mode of the target
+            record("gossip1", "gossip:1", [(5, 15.0, 0.93), (10, 25.0, 0.941)]),
+            record("pool-partial4", "partial:4", [(5, 17.0, 0.945)], pool=True),
+            record("partial4", "partial:4", [(5, 10.0, 0.90)]),
+            {"label": "broken", "name": "broken-s0", "error": "node 1 failed"},
+        ]
+    }
     st.attach_targets(document)
     runs = {r["label"]: r for r in document["runs"]}
     assert runs["allreduce"]["time_to_accuracy"] == pytest.approx({"target": 0.94, "epoch": 15, "seconds": 30.0})
@@ -65,7 +79,9 @@ def test_plan_scales_the_delay_per_partition_and_names_every_run():
     assert runs[0].label == st.BASELINE and runs[0].p == 0 and not runs[0].pool
     assert len({r.name for r in runs}) == len(runs)
     pool = [r for r in runs if r.pool]
-    assert {r.sync for r in pool} >= {"allreduce", "grouped:5", "partial:4", "gossip:1"} and all(r.parts == 32 for r in pool)
+    assert {r.sync for r in pool} >= {"allreduce", "grouped:5", "partial:4", "gossip:1"} and all(
+        r.parts == 32 for r in pool
+    )
     assert pool[0].delay_spec == "0:0.2,1:0.2,2:0.1,4:0.2,5:0.1"  # 0.8 s x 8 / 32 per partition
     assert runs[0].delay_spec == "0:0.8,1:0.8,2:0.4,4:0.8,5:0.4"
     assert all(r.p == 0 for r in runs if r.sync != "allreduce")
@@ -80,9 +96,16 @@ def test_relative_delays_scale_by_what_the_machine_adds_to_the_sleep():
         st.non_delay_seconds(epochs[:2], {0: 0.8})
     scaled = st.plan(st.FULL, (0,), 2.0)
     assert scaled[0].delay_spec == "0:1.6,1:1.6,2:0.8,4:1.6,5:0.8"
-    assert next(r for r in scaled if r.pool).delay_spec == "0:0.4,1:0.4,2:0.2,4:0.4,5:0.2"  # per partition: x 8 / 32 too
+    assert (
+        next(r for r in scaled if r.pool).delay_spec == "0:0.4,1:0.4,2:0.2,4:0.4,5:0.2"
+    )  # per partition: x 8 / 32 too
     calibration = st.calibration_run(st.FULL)
-    assert (calibration.sync, calibration.p, calibration.pool, calibration.delay_spec) == ("allreduce", 0.0, False, st.delay_spec(st.FULL.delays))
+    assert (calibration.sync, calibration.p, calibration.pool, calibration.delay_spec) == (
+        "allreduce",
+        0.0,
+        False,
+        st.delay_spec(st.FULL.delays),
+    )
 
 
 # ---------------------------------------------------------------------------- the quick preset, for real
@@ -92,8 +115,23 @@ def test_relative_delays_scale_by_what_the_machine_adds_to_the_sleep():
 def quick(tmp_path_factory):
     work = tmp_path_factory.mktemp("stragglers")
     out = work / "quick.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--no-cluster", "--work", str(work), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.stragglers",
+            "--quick",
+            "--no-cluster",
+            "--work",
+            str(work),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout, out
 
@@ -102,7 +140,9 @@ def test_quick_record_is_complete_and_consistent(quick):
     document, stdout, out = quick
     setting = st.QUICK
     assert not out.with_suffix(".json.tmp").exists()  # written by rename
-    assert document["date"] == date.today().isoformat() and document["machine"]["cores"] and document["preset"] == "quick"
+    assert (
+        document["date"] == date.today().isoformat() and document["machine"]["cores"] and document["preset"] == "quick"
+    )
     planned = {r.name: r for r in st.plan(setting, (0,))}
     runs = {r["name"]: r for r in document["runs"]}
     assert set(runs) == set(planned)  # every planned run, nothing else
@@ -140,7 +180,9 @@ def test_quick_record_is_complete_and_consistent(quick):
             wanted = delays.get(rank, 0.0) * r["steps_per_rank"][rank]
             assert wanted <= slept + 1e-6 and slept <= 1.5 * wanted + 0.05, (name, rank, slept, wanted)
     base = runs[f"{st.BASELINE}-s0"]
-    assert base["time_ratio"] == 1.0 and base["time_to_accuracy"]["target"] == pytest.approx(base["best_val_score"] - 0.01)
+    assert base["time_ratio"] == 1.0 and base["time_to_accuracy"]["target"] == pytest.approx(
+        base["best_val_score"] - 0.01
+    )
     (verdict,) = document["target"]["per_seed"]
     assert verdict["baseline_seconds"] == base["time_to_accuracy"]["seconds"]
     assert verdict["met"] == (verdict["best_ratio"] is not None and verdict["best_ratio"] <= 0.6)
@@ -149,8 +191,26 @@ def test_quick_record_is_complete_and_consistent(quick):
 
 def test_relative_delays_calibrate_then_scale_every_run(tmp_path):
     out = tmp_path / "relative.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--no-cluster", "--relative-delays", "--only", st.BASELINE,
-                           "--work", str(tmp_path / "work"), "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.stragglers",
+            "--quick",
+            "--no-cluster",
+            "--relative-delays",
+            "--only",
+            st.BASELINE,
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     document = json.loads(out.read_text())
     scaling = document["delay_scale"]
@@ -164,4 +224,3 @@ def test_relative_delays_calibrate_then_scale_every_run(tmp_path):
         wanted = st.QUICK.delays.get(rank, 0.0) * scaling["scale"] * run["epochs_run"]
         assert wanted - 1e-3 <= slept <= 1.5 * wanted + 0.05, (rank, slept, wanted)
     assert "--relative-delays: this machine adds" in done.stdout  # the tables say the delays were scaled
-

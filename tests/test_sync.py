@@ -64,7 +64,18 @@ def parts2(tmp_path_factory):
 
 
 def small(parts, **kw) -> TrainConfig:
-    base = TrainConfig(parts_dir=parts, p=0.0, layers=2, hidden=8, dropout=0.2, epochs=6, eval_every=3, device="cpu", timeout=60, seed=2)
+    base = TrainConfig(
+        parts_dir=parts,
+        p=0.0,
+        layers=2,
+        hidden=8,
+        dropout=0.2,
+        epochs=6,
+        eval_every=3,
+        device="cpu",
+        timeout=60,
+        seed=2,
+    )
     return replace(base, **kw)
 
 
@@ -98,7 +109,11 @@ def test_bad_values_are_refused_in_one_line(kw, words):
 
 
 def test_world_dependent_checks():
-    for delays, sync, words in (("3:1", "allreduce", "names rank 3, but the job has 3 ranks"), ("", "partial:4", "pass P <= 3"), ("", "grouped:2:4", "pass N <= 3")):
+    for delays, sync, words in (
+        ("3:1", "allreduce", "names rank 3, but the job has 3 ranks"),
+        ("", "partial:4", "pass P <= 3"),
+        ("", "grouped:2:4", "pass N <= 3"),
+    ):
         with pytest.raises(UserError, match=re.escape(words)):
             check_world(parse_delays(delays), parse_sync(sync), 3)
     check_world(parse_delays("2:0.1-0.2"), parse_sync("grouped:5:3"), 3)  # accepted
@@ -106,7 +121,22 @@ def test_world_dependent_checks():
 
 
 def test_launcher_refuses_before_any_rank_starts(tmp_path, parts2):
-    outcome = run_cli(TRAIN, ["--procs", "2", "--parts-dir", str(parts2), "--p", "0", "--inject-delay", "2:0.5", "--out", str(tmp_path / "run")], tmp_path)
+    outcome = run_cli(
+        TRAIN,
+        [
+            "--procs",
+            "2",
+            "--parts-dir",
+            str(parts2),
+            "--p",
+            "0",
+            "--inject-delay",
+            "2:0.5",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        tmp_path,
+    )
     assert_user_error(outcome, "--inject-delay names rank 2, but the job has 2 ranks")
     assert not (tmp_path / "run").exists()
 
@@ -160,7 +190,9 @@ def test_one_group_and_a_round_of_every_rank_equal_allreduce(tmp_path, parts3):
     results = run_ranks(3, [sync, *others])
     for index in (1, 2):
         for name, value in params_of(results, 0).items():
-            np.testing.assert_allclose(params_of(results, index)[name], value, rtol=1e-5, atol=1e-6, err_msg=(others[index - 1].sync, name))
+            np.testing.assert_allclose(
+                params_of(results, index)[name], value, rtol=1e-5, atol=1e-6, err_msg=(others[index - 1].sync, name)
+            )
 
 
 def test_gossip_on_two_ranks_equals_partial_two(tmp_path, parts2):
@@ -183,7 +215,9 @@ def test_partial_round_does_not_depend_on_arrival_order(tmp_path, parts3):
 def test_decoupled_modes_end_with_one_model_and_report_waits(tmp_path, parts3, mode):
     """With --staleness 1 (p > 0) and an injected straggler: every rank ends with the same
     parameters; steps and waits per rank are in the records and the report."""
-    config = small(parts3, p=0.5, staleness=1, sync=mode, inject_delay="2:0.05", eval_every=2, epochs=5, out=tmp_path / "run")
+    config = small(
+        parts3, p=0.5, staleness=1, sync=mode, inject_delay="2:0.05", eval_every=2, epochs=5, out=tmp_path / "run"
+    )
     results = run_ranks(3, [config])
     for rank in (1, 2):
         for name, value in params_of(results).items():
@@ -333,6 +367,7 @@ def test_gossip_pairing_survives_two_ranks_taking_the_same_pair(monkeypatch):
     assert not errors, (errors, got)
     assert all(got[got[r]] == r for r in range(world)), got
 
+
 # --- Cora: accuracy of every mode against synchronous training -------------------------------
 
 CORA_SEEDS = (0, 1, 2)
@@ -358,7 +393,23 @@ def cora_parts(tmp_path_factory):
 
 def cora_scores(parts, sync: str, out) -> list[float]:
     configs = [
-        TrainConfig(parts_dir=parts, p=0.0, model="graphsage", layers=2, norm="none", hidden=16, dropout=0.5, lr=0.01, weight_decay=5e-4, epochs=200, eval_every=5, seed=seed, device="cpu", sync=sync, out=out / f"{seed}")
+        TrainConfig(
+            parts_dir=parts,
+            p=0.0,
+            model="graphsage",
+            layers=2,
+            norm="none",
+            hidden=16,
+            dropout=0.5,
+            lr=0.01,
+            weight_decay=5e-4,
+            epochs=200,
+            eval_every=5,
+            seed=seed,
+            device="cpu",
+            sync=sync,
+            out=out / f"{seed}",
+        )
         for seed in CORA_SEEDS
     ]
     run_ranks(4, configs, timeout=600)
@@ -385,7 +436,12 @@ def test_cora_accuracy_matches_synchronous_training(cora_parts, cora_sync_scores
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rank_killed_in_any_mode_ends_the_job_naming_it(tmp_path, parts2, mode):
-    assert_killed_rank_is_named(tmp_path, train_args(parts2, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode))
+    assert_killed_rank_is_named(
+        tmp_path,
+        train_args(
+            parts2, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode
+        ),
+    )
 
 
 @pytest.mark.parametrize("mode", ("partial:2", "gossip:1"))
@@ -395,5 +451,20 @@ def test_hung_rank_in_a_store_round_is_named(tmp_path, parts2, mode):
     timeout_s = 5
     run_dir = tmp_path / "run"
     # between evaluations (every 50 epochs) ranks meet only in the store's rounds
-    args = train_args(parts2, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s), "--p", "0", "--sync", mode, "--eval-every", "50")
+    args = train_args(
+        parts2,
+        run_dir,
+        "--epochs",
+        "100000",
+        "--checkpoint-every",
+        "0",
+        "--timeout",
+        str(timeout_s),
+        "--p",
+        "0",
+        "--sync",
+        mode,
+        "--eval-every",
+        "50",
+    )
     assert_hung_rank_named(tmp_path, args, timeout_s, r"rank 1 stopped at epoch \d+ while the others waited$")

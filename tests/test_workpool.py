@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from bnsgcn.partition.partitioner import assign
 
 from bnsgcn.config import TrainConfig, validate
 from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
+from bnsgcn.partition.partitioner import assign
 from bnsgcn.sync.workpool import merge_partitions, pool_order
 
 from .distributed import (
@@ -66,7 +66,10 @@ def _edges_and_lists(shard, inner_ids: np.ndarray, boundary_ids: np.ndarray) -> 
     bounds = np.cumsum([0, *topo.boundary_counts])
     boundary = [boundary_ids[bounds[q] : bounds[q + 1]].tolist() for q in range(len(topo.boundary_counts))]
     send_bounds = np.cumsum([0, *topo.send_counts])
-    sends = [inner_ids[topo.send_nodes.numpy()[send_bounds[q] : send_bounds[q + 1]]].tolist() for q in range(len(topo.send_counts))]
+    sends = [
+        inner_ids[topo.send_nodes.numpy()[send_bounds[q] : send_bounds[q + 1]]].tolist()
+        for q in range(len(topo.send_counts))
+    ]
     return edges, degrees, boundary, sends, sorted(inner_ids.tolist())
 
 
@@ -75,7 +78,9 @@ def test_merged_shard_equals_the_partition_written_directly(graph, parts6, tmp_p
     from bnsgcn.data.format import load_partition
 
     shards = [load_shard(parts6, k, PARTS) for k in range(PARTS)]
-    ids = {k: (load_partition(parts6, k)["inner_nodes"], load_partition(parts6, k)["boundary_nodes"]) for k in range(PARTS)}
+    ids = {
+        k: (load_partition(parts6, k)["inner_nodes"], load_partition(parts6, k)["boundary_nodes"]) for k in range(PARTS)
+    }
     direct = partition_with(graph, assign(graph, PARTS, method="random", seed=0) % world, world, tmp_path / "direct")
     for rank in range(world):
         merged = merge_partitions(shards, {k: ids[k] for k in range(rank, PARTS, world)}, rank, world)
@@ -99,7 +104,9 @@ def partition_with(graph, assignment: np.ndarray, parts: int, out):
     from bnsgcn.partition.partitioner import method_info
     from bnsgcn.partition.writer import write_partition_set
 
-    write_partition_set(graph, assignment, out, parts=parts, method_info=method_info("random", "cut", 0), progress=False)
+    write_partition_set(
+        graph, assignment, out, parts=parts, method_info=method_info("random", "cut", 0), progress=False
+    )
     return out
 
 
@@ -133,7 +140,11 @@ def _reference(config: TrainConfig, graph, assignment: np.ndarray, world: int) -
                 for i in range(config.layers):
                     p = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
                     if i == 0:
-                        h = x[nodes] @ p["lin_self.weight"].T + p["lin_self.bias"] + first_agg[nodes] @ p["lin_neigh.weight"].T
+                        h = (
+                            x[nodes] @ p["lin_self.weight"].T
+                            + p["lin_self.bias"]
+                            + first_agg[nodes] @ p["lin_neigh.weight"].T
+                        )
                     else:
                         h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + a_kk @ h @ p["lin_neigh.weight"].T
                     if i < config.layers - 1:
@@ -150,7 +161,22 @@ def _reference(config: TrainConfig, graph, assignment: np.ndarray, world: int) -
 
 
 def pool_config(parts_dir, out, **overrides) -> TrainConfig:
-    base = dict(parts_dir=parts_dir, p=0.0, model="graphsage", layers=2, hidden=8, dropout=0.0, norm="none", lr=0.01, epochs=3, eval_every=0, device="cpu", seed=5, work_pool=True, out=out)
+    base = dict(
+        parts_dir=parts_dir,
+        p=0.0,
+        model="graphsage",
+        layers=2,
+        hidden=8,
+        dropout=0.0,
+        norm="none",
+        lr=0.01,
+        epochs=3,
+        eval_every=0,
+        device="cpu",
+        seed=5,
+        work_pool=True,
+        out=out,
+    )
     return TrainConfig(**(base | overrides))
 
 
@@ -163,7 +189,9 @@ def test_allreduce_pool_equals_the_dense_reference(graph, parts6, tmp_path, worl
     assert [line["loss"] for line in lines if "loss" in line] == pytest.approx(ref_losses, rel=1e-5)
     for rank_results in results:  # every rank holds the reference's parameters
         for name, ref in ref_params.items():
-            torch.testing.assert_close(torch.from_numpy(rank_results[0]["params"][name]).double(), ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                torch.from_numpy(rank_results[0]["params"][name]).double(), ref, rtol=1e-4, atol=1e-5
+            )
 
 
 # --- every partition once per epoch, with ranks of different speeds ----------------------------
@@ -218,7 +246,24 @@ CORA_SEEDS = tuple(range(6))
 def cora_pool_scores(parts, syncs: list[str], out) -> dict[str, float]:
     """Mean test accuracy over CORA_SEEDS per --sync mode, 2 ranks taking the 8 partitions."""
     configs = [
-        TrainConfig(parts_dir=parts, p=0.0, model="graphsage", layers=2, norm="none", hidden=16, dropout=0.5, lr=0.01, weight_decay=5e-4, epochs=100, eval_every=5, seed=seed, device="cpu", sync=sync, work_pool=True, out=out / f"{sync.replace(':', '-')}-{seed}")
+        TrainConfig(
+            parts_dir=parts,
+            p=0.0,
+            model="graphsage",
+            layers=2,
+            norm="none",
+            hidden=16,
+            dropout=0.5,
+            lr=0.01,
+            weight_decay=5e-4,
+            epochs=100,
+            eval_every=5,
+            seed=seed,
+            device="cpu",
+            sync=sync,
+            work_pool=True,
+            out=out / f"{sync.replace(':', '-')}-{seed}",
+        )
         for sync in syncs
         for seed in CORA_SEEDS
     ]
@@ -255,15 +300,39 @@ def test_bad_combinations_are_refused_in_one_line(overrides, words):
 
 
 def test_launcher_needs_ranks_and_enough_parts(parts6, tmp_path):
-    assert_user_error(run_cli(TRAIN, ["--parts-dir", str(parts6), "--p", "0", "--work-pool"], tmp_path), "--work-pool needs the number of ranks")
+    assert_user_error(
+        run_cli(TRAIN, ["--parts-dir", str(parts6), "--p", "0", "--work-pool"], tmp_path),
+        "--work-pool needs the number of ranks",
+    )
     few = partition(random_graph(num_nodes=60, seed=2), 2, tmp_path / "few")
-    assert_user_error(run_cli(TRAIN, ["--procs", "3", "--parts-dir", str(few), "--p", "0", "--work-pool"], tmp_path), "re-partition into at least 3 parts")
+    assert_user_error(
+        run_cli(TRAIN, ["--procs", "3", "--parts-dir", str(few), "--p", "0", "--work-pool"], tmp_path),
+        "re-partition into at least 3 parts",
+    )
 
 
 @pytest.mark.parametrize("sync", ("allreduce", "gossip:1"))
 def test_rank_killed_in_a_pool_job_is_named(parts6, tmp_path, sync):
     run_dir = tmp_path / "run"
-    args = train_args(parts6, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--work-pool", "--sync", sync, "--eval-every", "50")
+    args = train_args(
+        parts6,
+        run_dir,
+        "--epochs",
+        "100000",
+        "--checkpoint-every",
+        "0",
+        "--p",
+        "0",
+        "--work-pool",
+        "--sync",
+        sync,
+        "--eval-every",
+        "50",
+    )
     # with a decoupled sync metrics.jsonl is written at sync points only: the log says when
     # setup is done (and training starts)
-    assert_killed_rank_is_named(tmp_path, args, started=lambda: (run_dir / "log.txt").exists() and "inner nodes" in (run_dir / "log.txt").read_text())
+    assert_killed_rank_is_named(
+        tmp_path,
+        args,
+        started=lambda: (run_dir / "log.txt").exists() and "inner nodes" in (run_dir / "log.txt").read_text(),
+    )

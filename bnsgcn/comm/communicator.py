@@ -144,7 +144,9 @@ class Comm:
         copy them there itself: a silent copy would hide host-device traffic on hot paths."""
         for tensor in tensors:
             if tensor.device != self.device:
-                raise RuntimeError(f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move it to comm.device first")
+                raise RuntimeError(
+                    f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move it to comm.device first"
+                )
 
     def _count(self, category: str, sent: int, received: int) -> None:
         self.stats.sent[category] += sent
@@ -174,7 +176,9 @@ class Comm:
         _check_splits(send, send_counts, out, recv_counts, len(peers))
         row_bytes = send.element_size() * math.prod(send.shape[1:])
         me = self.node_rank if within_node else self.rank
-        self._count(category, (sum(send_counts) - send_counts[me]) * row_bytes, (sum(recv_counts) - recv_counts[me]) * row_bytes)
+        self._count(
+            category, (sum(send_counts) - send_counts[me]) * row_bytes, (sum(recv_counts) - recv_counts[me]) * row_bytes
+        )
         for peer, count in zip(peers, send_counts):
             if peer != self.rank:
                 split = self.stats.sent_intra if self.nodes.node_of[peer] == self.node else self.stats.sent_inter
@@ -188,10 +192,18 @@ class Comm:
             group = self.pipeline_group if pipelined else None
         if pipelined and group is None:
             raise RuntimeError("a pipelined all-to-all needs a Comm made with pipelined=True")
-        return dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True)
+        return dist.all_to_all_single(
+            out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True
+        )
 
     def all_to_all(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], out: torch.Tensor, category: str, within_node: bool = False
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        out: torch.Tensor,
+        category: str,
+        within_node: bool = False,
     ) -> torch.Tensor:
         """:meth:`all_to_all_start`, then wait for it; returns ``out``."""
         self.wait(self.all_to_all_start(send, send_counts, recv_counts, out, category, within_node), category)
@@ -295,7 +307,10 @@ class Comm:
                 if not silent or time.monotonic() >= deadline:
                     break
                 time.sleep(0.1)
-            stages = {r: self.store.get(f"progress/{r}").decode() if self.store.check([f"progress/{r}"]) else "setup" for r in silent}
+            stages = {
+                r: self.store.get(f"progress/{r}").decode() if self.store.check([f"progress/{r}"]) else "setup"
+                for r in silent
+            }
         except Exception:  # the store itself is gone: it lives in rank 0's process
             return None if self.rank == 0 else "rank 0 stopped (it holds the job's store, which does not answer)"
         if not silent:
@@ -310,7 +325,9 @@ class Comm:
             dist.destroy_process_group()
 
 
-def _check_splits(send: torch.Tensor, send_counts: list[int], out: torch.Tensor, recv_counts: list[int], peers: int) -> None:
+def _check_splits(
+    send: torch.Tensor, send_counts: list[int], out: torch.Tensor, recv_counts: list[int], peers: int
+) -> None:
     """What NCCL's all-to-all needs, checked on every backend (gloo is more forgiving): one
     count per peer (plain ints, none negative; zeros are fine), buffers of exactly
     ``sum(counts)`` rows, one dtype and row shape on both sides, contiguous memory. Shapes
@@ -319,9 +336,13 @@ def _check_splits(send: torch.Tensor, send_counts: list[int], out: torch.Tensor,
         if len(counts) != peers or any(type(c) is not int or c < 0 for c in counts):
             raise RuntimeError(f"all-to-all {name} counts {counts} must be {peers} non-negative ints")
         if tensor.dim() == 0 or tensor.shape[0] != sum(counts) or not tensor.is_contiguous():
-            raise RuntimeError(f"all-to-all {name} buffer {tuple(tensor.shape)} must be contiguous with {sum(counts)} rows")
+            raise RuntimeError(
+                f"all-to-all {name} buffer {tuple(tensor.shape)} must be contiguous with {sum(counts)} rows"
+            )
     if send.dtype != out.dtype or send.shape[1:] != out.shape[1:]:
-        raise RuntimeError(f"all-to-all sends {send.dtype} rows {tuple(send.shape[1:])} into {out.dtype} rows {tuple(out.shape[1:])}")
+        raise RuntimeError(
+            f"all-to-all sends {send.dtype} rows {tuple(send.shape[1:])} into {out.dtype} rows {tuple(out.shape[1:])}"
+        )
 
 
 def _env_int(name: str) -> int:
@@ -391,7 +412,9 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
     except dist.DistError as exc:
-        raise PeerLost(f"not every rank joined within --timeout {timeout:g} s ({first_sentence(exc)}); see the other ranks' errors") from exc
+        raise PeerLost(
+            f"not every rank joined within --timeout {timeout:g} s ({first_sentence(exc)}); see the other ranks' errors"
+        ) from exc
     # torchrun hands a restarted attempt the same store, still holding the dead attempt's
     # peer addresses: a prefix per attempt keeps the attempts apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

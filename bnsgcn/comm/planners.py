@@ -80,7 +80,9 @@ class NodeAwarePlanner:
 
         # As a requester: boundary columns owned by ranks of other nodes, keyed by owner and
         # the owner's row; the node's union of those keys, and who of the node has each.
-        self._column_owner = torch.repeat_interleave(torch.arange(world), torch.tensor(topology.boundary_counts, dtype=torch.int64))
+        self._column_owner = torch.repeat_interleave(
+            torch.arange(world), torch.tensor(topology.boundary_counts, dtype=torch.int64)
+        )
         self._remote_column = node_of[self._column_owner] != comm.node
         owner_row = fetch_boundary(comm, topology, torch.arange(topology.n_inner, dtype=torch.int64))
         keys = (self._column_owner[self._remote_column] << _ROW_BITS) | owner_row[self._remote_column]
@@ -95,7 +97,9 @@ class NodeAwarePlanner:
         self._union_position = _position_in_group(self._union_owner)
 
         # As an owner: candidate rows per remote node (send entries to ranks of other nodes).
-        destination = torch.repeat_interleave(torch.arange(world), torch.tensor(topology.send_counts, dtype=torch.int64))
+        destination = torch.repeat_interleave(
+            torch.arange(world), torch.tensor(topology.send_counts, dtype=torch.int64)
+        )
         self._remote_entry = node_of[destination] != comm.node
         self._local_entry_destination = destination[~self._remote_entry]
         self._local_entry_row = topology.send_nodes[~self._remote_entry]
@@ -129,7 +133,9 @@ class NodeAwarePlanner:
         if union_size:  # the same on every rank of the node: all gather, or none
             mine = torch.zeros(union_size, dtype=torch.bool)
             mine[self._column_union[keep & self._remote_column]] = True
-            gathered = self.comm.all_gather_within_node(pack_segments(mine, [union_size]).to(self.comm.device, non_blocking=True), "selections").cpu()
+            gathered = self.comm.all_gather_within_node(
+                pack_segments(mine, [union_size]).to(self.comm.device, non_blocking=True), "selections"
+            ).cpu()
             node_wanted = unpack_segments(gathered.flatten(), [union_size] * ranks_here).view(ranks_here, union_size)
         return self._plan(wanted, node_wanted, keep)
 
@@ -145,7 +151,9 @@ class NodeAwarePlanner:
         delegate = _delegates(requested, self._out_position)
         chosen = delegate >= 0
         local = wanted[~self._remote_entry]
-        destination = torch.cat([self._local_entry_destination[local], self._members[self._out_node[chosen], delegate[chosen]]])
+        destination = torch.cat(
+            [self._local_entry_destination[local], self._members[self._out_node[chosen], delegate[chosen]]]
+        )
         rows = torch.cat([self._local_entry_row[local], self._out_row[chosen]])
         by_destination = torch.argsort(destination, stable=True)
         send_counts = torch.bincount(destination, minlength=world).tolist()
@@ -158,7 +166,11 @@ class NodeAwarePlanner:
         local_columns = torch.nonzero(keep & ~self._remote_column).flatten()
         item_owner = torch.cat([self._column_owner[local_columns], self._union_owner[mine]])
         item_order = torch.cat([local_columns, mine])
-        arrival = _ranks_of(torch.argsort(item_owner * (item_order.numel() + self._union_owner.numel() + self.topology.n_boundary) + item_order))
+        arrival = _ranks_of(
+            torch.argsort(
+                item_owner * (item_order.numel() + self._union_owner.numel() + self.topology.n_boundary) + item_order
+            )
+        )
         recv_counts = torch.bincount(item_owner, minlength=world).tolist()
         first_stage = sum(recv_counts)
         position = torch.full((self._union_owner.numel(),), -1, dtype=torch.int64)
@@ -217,7 +229,9 @@ def _ranks_of(permutation: torch.Tensor) -> torch.Tensor:
 
 def _gather_within_node(comm: Comm, values: torch.Tensor) -> list[torch.Tensor]:
     """Every rank of this node's ``values`` (int64, lengths may differ), in node-rank order."""
-    lengths = comm.all_gather_within_node(torch.tensor([values.numel()], device=comm.device), "control").flatten().tolist()
+    lengths = (
+        comm.all_gather_within_node(torch.tensor([values.numel()], device=comm.device), "control").flatten().tolist()
+    )
     padded = torch.zeros(max(max(lengths), 1), dtype=torch.int64)
     padded[: values.numel()] = values
     gathered = comm.all_gather_within_node(padded.to(comm.device), "control").cpu()

@@ -136,7 +136,9 @@ def load_partition(parts_dir: Path, part: int, verify: bool = False) -> Partitio
     manifest = read_manifest(parts_dir)
     num_parts = int(manifest["parts"])
     if not 0 <= part < num_parts:
-        raise UserError(f"rank {part} has no partition: {parts_dir} has {num_parts} parts; start {num_parts} ranks, one per partition")
+        raise UserError(
+            f"rank {part} has no partition: {parts_dir} has {num_parts} parts; start {num_parts} ranks, one per partition"
+        )
     entry = manifest["partitions"][part]
     part_dir = parts_dir / entry["dir"]
     arrays: dict[str, np.ndarray] = {}
@@ -144,7 +146,9 @@ def load_partition(parts_dir: Path, part: int, verify: bool = False) -> Partitio
         meta = entry["files"].get(name)
         path = part_dir / f"{name}.npy"
         if meta is None:
-            raise UserError(f"{parts_dir / MANIFEST_NAME} lists no {name}.npy for {entry['dir']}; re-run bnsgcn-partition --force")
+            raise UserError(
+                f"{parts_dir / MANIFEST_NAME} lists no {name}.npy for {entry['dir']}; re-run bnsgcn-partition --force"
+            )
         if not path.is_file():
             raise UserError(f"{path} is missing: the partition set is incomplete; re-run bnsgcn-partition --force")
         if path.stat().st_size != meta["bytes"]:

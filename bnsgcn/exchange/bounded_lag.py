@@ -119,7 +119,15 @@ def exchange_mode(config, comm: Comm) -> str:
     return resolve_mode(config.exchange, comm)
 
 
-def make_stale_exchange(config, comm: Comm, topology: Topology, synchronous: BoundaryExchange, rows_format: WireFormat, grads_format: WireFormat, log: logging.Logger):
+def make_stale_exchange(
+    config,
+    comm: Comm,
+    topology: Topology,
+    synchronous: BoundaryExchange,
+    rows_format: WireFormat,
+    grads_format: WireFormat,
+    log: logging.Logger,
+):
     """The training exchange of ``--staleness 1``: :class:`LagExchange` with ``--max-lag``
     (at ``p > 0``), else :class:`bnsgcn.exchange.stale.StaleExchange`; None without staleness. Every
     rank calls it together (building a LagExchange is collective)."""
@@ -130,8 +138,21 @@ def make_stale_exchange(config, comm: Comm, topology: Topology, synchronous: Bou
             log.info("--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.max_lag)
         return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.stale_smoothing)
     if comm.rank == 0 and config.sync == "allreduce":
-        log.info("--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter", config.max_lag)
-    return LagExchange(comm, topology, synchronous, config.p, config.seed, config.max_lag, rows_format, grads_format, config.stale_smoothing)
+        log.info(
+            "--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter",
+            config.max_lag,
+        )
+    return LagExchange(
+        comm,
+        topology,
+        synchronous,
+        config.p,
+        config.seed,
+        config.max_lag,
+        rows_format,
+        grads_format,
+        config.stale_smoothing,
+    )
 
 
 class _Peer:
@@ -151,37 +172,66 @@ class LagExchange:
     how rows and their gradients travel (see the module)."""
 
     def __init__(
-        self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, p: float, seed: int, max_lag: int,
-        rows_format: WireFormat, grads_format: WireFormat, smoothing: float | None = None,
+        self,
+        comm: Comm,
+        topology: Topology,
+        synchronous: BoundaryExchange,
+        p: float,
+        seed: int,
+        max_lag: int,
+        rows_format: WireFormat,
+        grads_format: WireFormat,
+        smoothing: float | None = None,
     ) -> None:
-        self.comm, self.synchronous, self.p, self.seed, self.max_lag, self.smoothing = comm, synchronous, p, seed, max_lag, smoothing
+        self.comm, self.synchronous, self.p, self.seed, self.max_lag, self.smoothing = (
+            comm,
+            synchronous,
+            p,
+            seed,
+            max_lag,
+            smoothing,
+        )
         self.rows_format, self.grads_format = rows_format, grads_format
         me, world = comm.rank, comm.world_size
         self.topology = topology
         self.n_inner, self.n_boundary = topology.n_inner, topology.n_boundary
-        self.counts = [list(c) for c in comm.all_gather_object(list(topology.boundary_counts))]  # every rank's boundary_counts
+        self.counts = [
+            list(c) for c in comm.all_gather_object(list(topology.boundary_counts))
+        ]  # every rank's boundary_counts
         for r in range(world):
             if self.counts[r][me] != topology.send_counts[r]:
-                raise RuntimeError(f"rank {r} has {self.counts[r][me]} boundary nodes of rank {me}, which sends {topology.send_counts[r]} rows to it; the partition set is inconsistent")
-        self.owners = [q for q in range(world) if q != me and topology.boundary_counts[q] > 0]  # whose rows this rank uses
-        self.requesters = [r for r in range(world) if r != me and topology.send_counts[r] > 0]  # who uses this rank's rows
+                raise RuntimeError(
+                    f"rank {r} has {self.counts[r][me]} boundary nodes of rank {me}, which sends {topology.send_counts[r]} rows to it; the partition set is inconsistent"
+                )
+        self.owners = [
+            q for q in range(world) if q != me and topology.boundary_counts[q] > 0
+        ]  # whose rows this rank uses
+        self.requesters = [
+            r for r in range(world) if r != me and topology.send_counts[r] > 0
+        ]  # who uses this rank's rows
         starts = torch.tensor([0, *topology.boundary_counts]).cumsum(0).tolist()
         self.block = {q: (starts[q], starts[q + 1]) for q in range(world)}  # q's boundary columns here
         send_starts = torch.tensor([0, *topology.send_counts]).cumsum(0).tolist()
-        self.send_nodes = {r: topology.send_nodes[send_starts[r] : send_starts[r + 1]].to(comm.device) for r in self.requesters}
+        self.send_nodes = {
+            r: topology.send_nodes[send_starts[r] : send_starts[r + 1]].to(comm.device) for r in self.requesters
+        }
         self.send_rows = torch.unique(topology.send_nodes).to(comm.device)  # for the gradient average
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=comm.timeout)) if world > 1 else None
 
         self.cond = threading.Condition()
         self.error: tuple[int, BaseException] | None = None
         self.rows: dict[tuple[int, int], dict[int, Tensor]] = {}  # (owner, slot) -> version -> flat rows, encoded
-        self.grads: dict[tuple[int, int], dict[int, tuple[int, Tensor]]] = {}  # (requester, slot) -> epoch -> (row version, flat grads, encoded)
+        self.grads: dict[
+            tuple[int, int], dict[int, tuple[int, Tensor]]
+        ] = {}  # (requester, slot) -> epoch -> (row version, flat grads, encoded)
         self.received = {"features": 0, "gradients": 0, "control": 0}  # bytes the threads took in since the last look
         self.samples: OrderedDict[tuple[int, int], Tensor] = OrderedDict()
         self.sample_lock = threading.Lock()
 
         self.epoch = -1
-        self.slots: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # slot -> (row shape, dtype), from the first epoch
+        self.slots: dict[
+            int, tuple[tuple[int, ...], torch.dtype]
+        ] = {}  # slot -> (row shape, dtype), from the first epoch
         self.grad_slots: set[int] = set()  # the slots whose rows get gradients (not a first layer's input features)
         self.chosen: dict[int, int] = {}  # owner -> row version used this epoch
         self.columns: Tensor | None = None  # this epoch's boundary columns (smoothing)
@@ -301,7 +351,11 @@ class LagExchange:
             usable = [v for v in set.intersection(*versions) if low <= v <= high]
             return max(usable) if usable else None
 
-        self._wait(lambda: all(newest(q) is not None for q in self.owners), "selections", f"rows of epoch {low} or later from ranks {self.owners}")
+        self._wait(
+            lambda: all(newest(q) is not None for q in self.owners),
+            "selections",
+            f"rows of epoch {low} or later from ranks {self.owners}",
+        )
         keep = own.clone()
         with self.cond:
             for q in self.owners:
@@ -321,15 +375,24 @@ class LagExchange:
     def _plan(self, keep: Tensor) -> ExchangePlan:
         """A plan of what arrives (the sends are this module's own)."""
         zeros = [0] * self.comm.world_size
-        return ExchangePlan(torch.empty(0, dtype=torch.int64, device=self.comm.device), zeros, segment_counts(keep, self.topology.boundary_counts))
+        return ExchangePlan(
+            torch.empty(0, dtype=torch.int64, device=self.comm.device),
+            zeros,
+            segment_counts(keep, self.topology.boundary_counts),
+        )
 
     def _first_plan(self, own: Tensor) -> ExchangePlan:
         """The direct plan of the first epoch, without the selections all-to-all: each
         requester's sample is drawn here."""
-        wanted = [self._sample(r, 0) if r in self.send_nodes else torch.zeros(0, dtype=torch.bool) for r in range(self.comm.world_size)]
+        wanted = [
+            self._sample(r, 0) if r in self.send_nodes else torch.zeros(0, dtype=torch.bool)
+            for r in range(self.comm.world_size)
+        ]
         index = [self.send_nodes[r][w.to(self.comm.device)] for r, w in enumerate(wanted) if r in self.send_nodes]
         send_index = torch.cat(index) if index else torch.empty(0, dtype=torch.int64, device=self.comm.device)
-        return ExchangePlan(send_index, [int(w.sum()) for w in wanted], segment_counts(own, self.topology.boundary_counts))
+        return ExchangePlan(
+            send_index, [int(w.sum()) for w in wanted], segment_counts(own, self.topology.boundary_counts)
+        )
 
     def figures(self) -> dict[str, float]:
         """This epoch's lag (most epochs behind of any version used) and seconds waited for it."""
@@ -342,7 +405,14 @@ class LagExchange:
             held += [t for versions in self.grads.values() for _, t in versions.values()]
         return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
 
-    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows | _LagFlight:
+    def start(
+        self,
+        x_inner: Tensor,
+        plan: ExchangePlan,
+        slot: int,
+        category: str = "features",
+        zeros_need_no_gradient: bool = False,
+    ) -> InFlightRows | _LagFlight:
         """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows (the
         chosen versions, from the second epoch on) and ``x_inner`` goes out for the next.
         Rows travel whole (``zeros_need_no_gradient`` is not used)."""
@@ -366,7 +436,9 @@ class LagExchange:
             rows = all(t in self.rows.get((q, slot), {}) for q in self.owners for slot in self.slots)
             return rows and all(t in self.grads.get((r, slot), {}) for r in self.requesters for slot in grad_slots)
 
-        self._wait(held, None, f"the rows and gradients of epoch {t} from ranks {sorted(self.peers)} for the checkpoint")
+        self._wait(
+            held, None, f"the rows and gradients of epoch {t} from ranks {sorted(self.peers)} for the checkpoint"
+        )
 
     def close(self) -> None:
         """At the end of training: send the end mark to every peer, then wait (bounded by
@@ -376,7 +448,11 @@ class LagExchange:
         self.finished = True
         for q in self.peers:
             self._queue(q, (torch.tensor([END, 0, self.epoch, 0, 0, 0], dtype=torch.int64),), "control")
-        self._wait(lambda: all(p.ended and p.unsent == 0 for p in self.peers.values()), None, f"the last transfers of ranks {sorted(self.peers)}")
+        self._wait(
+            lambda: all(p.ended and p.unsent == 0 for p in self.peers.values()),
+            None,
+            f"the last transfers of ranks {sorted(self.peers)}",
+        )
         for peer in self.peers.values():
             for thread in peer.threads:
                 thread.join(timeout=self.comm.timeout)
@@ -391,16 +467,29 @@ class LagExchange:
         t = self.epoch
         with self.cond:
             rows = {f"{q}/{slot}": self.rows[(q, slot)][t] for q in self.owners for slot in self.slots}
-            grads = {f"{r}/{slot}": list(self.grads[(r, slot)][t]) for r in self.requesters for slot in self.grad_slots if t >= 1}
-        averages = {name: {str(slot): average.cpu() for slot, average in getattr(self, name).items()} for name in ("row_average", "row_seen", "grad_average")}
-        slots = {str(slot): {"row": list(row), "dtype": str(dtype).removeprefix("torch."), "grads": slot in self.grad_slots} for slot, (row, dtype) in self.slots.items()}
+            grads = {
+                f"{r}/{slot}": list(self.grads[(r, slot)][t])
+                for r in self.requesters
+                for slot in self.grad_slots
+                if t >= 1
+            }
+        averages = {
+            name: {str(slot): average.cpu() for slot, average in getattr(self, name).items()}
+            for name in ("row_average", "row_seen", "grad_average")
+        }
+        slots = {
+            str(slot): {"row": list(row), "dtype": str(dtype).removeprefix("torch."), "grads": slot in self.grad_slots}
+            for slot, (row, dtype) in self.slots.items()
+        }
         return {"lag": {"epoch": t, "slots": slots, "rows": rows, "grads": grads, **averages}}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a part :meth:`state_dict` wrote: the next epoch uses its rows and gradients."""
         state = state["lag"]
         t, device = state["epoch"], self.comm.device
-        self.slots = {int(slot): (tuple(entry["row"]), getattr(torch, entry["dtype"])) for slot, entry in state["slots"].items()}
+        self.slots = {
+            int(slot): (tuple(entry["row"]), getattr(torch, entry["dtype"])) for slot, entry in state["slots"].items()
+        }
         self.grad_slots = {int(slot) for slot, entry in state["slots"].items() if entry["grads"]}
         with self.cond:
             for key, payload in state["rows"].items():
@@ -447,7 +536,9 @@ class LagExchange:
 
     def _message(self, kind: int, slot: int, version: int, wire: Tensor) -> tuple[Tensor, ...]:
         """Header and (unless empty) payload of encoded rows ``wire`` [n, *wire row]."""
-        header = torch.tensor([kind, slot, self.epoch, version, math.prod(wire.shape[1:]), DTYPES.index(wire.dtype)], dtype=torch.int64)
+        header = torch.tensor(
+            [kind, slot, self.epoch, version, math.prod(wire.shape[1:]), DTYPES.index(wire.dtype)], dtype=torch.int64
+        )
         return (header,) + ((wire.reshape(-1).cpu(),) if wire.numel() else ())
 
     # receiving
@@ -457,7 +548,13 @@ class LagExchange:
         row, dtype = self.slots[slot]
         with self.cond:
             parts = [self.rows[(q, slot)][self.chosen[q]] for q in self.owners]
-        rows = _decode(self.rows_format, torch.cat(parts) if parts else torch.zeros(0, dtype=self.rows_format.wire_dtype(dtype)), row, dtype, self.comm.device)
+        rows = _decode(
+            self.rows_format,
+            torch.cat(parts) if parts else torch.zeros(0, dtype=self.rows_format.wire_dtype(dtype)),
+            row,
+            dtype,
+            self.comm.device,
+        )
         if rows.shape[0] != plan.num_received:
             raise RuntimeError(f"rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}")
         if self.smoothing is None:
@@ -485,7 +582,11 @@ class LagExchange:
             return max(usable) if usable else None
 
         if required:
-            self._wait(lambda: all(newest(r) is not None for r in self.requesters), "gradients", f"gradients of epoch {low} or later from ranks {self.requesters}")
+            self._wait(
+                lambda: all(newest(r) is not None for r in self.requesters),
+                "gradients",
+                f"gradients of epoch {low} or later from ranks {self.requesters}",
+            )
         row, dtype = self.slots[slot]
         dense = None
         with self.cond:
@@ -508,7 +609,9 @@ class LagExchange:
         if dense is None or self.smoothing is None:
             return dense
         current = dense[self.send_rows]
-        self.grad_average[slot] = current if slot not in self.grad_average else torch.lerp(current, self.grad_average[slot], self.smoothing)
+        self.grad_average[slot] = (
+            current if slot not in self.grad_average else torch.lerp(current, self.grad_average[slot], self.smoothing)
+        )
         return dense.index_copy_(0, self.send_rows, self.grad_average[slot])
 
     def _count_received(self) -> None:
@@ -540,9 +643,23 @@ class LagExchange:
             self.comm.stats.clock.add(category, waited)
         if error is not None:
             q, exc = error
-            raise PeerLost(peer_lost_message(RuntimeError(f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"), self.comm.who_stopped())) from exc
+            raise PeerLost(
+                peer_lost_message(
+                    RuntimeError(
+                        f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                    ),
+                    self.comm.who_stopped(),
+                )
+            ) from exc
         if not done:
-            raise PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: waiting for {what} took longer than --timeout {self.comm.timeout:g} s"), self.comm.who_stopped()))
+            raise PeerLost(
+                peer_lost_message(
+                    TimeoutError(
+                        f"rank {self.comm.rank}: waiting for {what} took longer than --timeout {self.comm.timeout:g} s"
+                    ),
+                    self.comm.who_stopped(),
+                )
+            )
 
 
 def _encode(wire: WireFormat, rows: Tensor) -> Tensor:

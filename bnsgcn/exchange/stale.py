@@ -100,7 +100,15 @@ class StaleExchange:
     """Boundary exchange one epoch behind (see the module). ``synchronous`` serves the epochs
     with no stale rows in hand; ``topology`` is the training graph's."""
 
-    def __init__(self, comm: Comm, topology: Topology, synchronous: BoundaryExchange, rows_format: WireFormat, grads_format: WireFormat, smoothing: float | None = None) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        topology: Topology,
+        synchronous: BoundaryExchange,
+        rows_format: WireFormat,
+        grads_format: WireFormat,
+        smoothing: float | None = None,
+    ) -> None:
         self.comm, self.synchronous = comm, synchronous
         self.rows_format, self.grads_format, self.smoothing = rows_format, grads_format, smoothing
         self.n_inner, self.n_boundary = topology.n_inner, topology.n_boundary
@@ -128,7 +136,14 @@ class StaleExchange:
         self.next_plan = next_plan
         self.next_columns = next_keep.nonzero().flatten().to(self.comm.device, non_blocking=True)
 
-    def start(self, x_inner: Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows | _StaleFlight:
+    def start(
+        self,
+        x_inner: Tensor,
+        plan: ExchangePlan,
+        slot: int,
+        category: str = "features",
+        zeros_need_no_gradient: bool = False,
+    ) -> InFlightRows | _StaleFlight:
         """Like :meth:`BoundaryExchange.start`: ``.wait()`` gives this epoch's rows for slot
         ``slot`` (stale ones once there are any) and ``x_inner`` goes out for the next epoch.
         Rows travel whole (``zeros_need_no_gradient`` is not used)."""
@@ -152,14 +167,25 @@ class StaleExchange:
         assert self.next_plan is not None, "prepare() names the next epoch's sample before an epoch starts"
         state.row, state.dtype = tuple(x_inner.shape[1:]), x_inner.dtype
         state.parity ^= 1
-        work, arrived = start_rows(self.comm, x_inner, self.next_plan, self.rows_format, state.send, state.recv[state.parity], category, pipelined=True)
+        work, arrived = start_rows(
+            self.comm,
+            x_inner,
+            self.next_plan,
+            self.rows_format,
+            state.send,
+            state.recv[state.parity],
+            category,
+            pipelined=True,
+        )
         state.rows_in_flight = _RowsInFlight(work, arrived, self.next_plan, self.next_columns, category)
 
     def _relay_rows(self, state: _Slot) -> None:
         flight = state.rows_in_flight
         if flight is not None and flight.plan.relay is not None and not flight.relaying:
             self.comm.wait(flight.work, flight.category)
-            flight.work = start_row_relay(self.comm, flight.plan, flight.arrived, state.send, flight.category, pipelined=True)
+            flight.work = start_row_relay(
+                self.comm, flight.plan, flight.arrived, state.send, flight.category, pipelined=True
+            )
             flight.relaying = True
 
     def _rows_arrived(self, state: _Slot) -> None:
@@ -167,7 +193,10 @@ class StaleExchange:
         if flight is not None:
             self._relay_rows(state)
             self.comm.wait(flight.work, flight.category)
-            state.rows = (decode_rows(flight.plan, flight.arrived, self.rows_format, state.row, state.dtype), flight.columns)
+            state.rows = (
+                decode_rows(flight.plan, flight.arrived, self.rows_format, state.row, state.dtype),
+                flight.columns,
+            )
             state.rows_in_flight = None
 
     # Gradients of epoch t: in a node-aware plan the relay inside the node starts in the
@@ -190,7 +219,9 @@ class StaleExchange:
                 return
             first_grads = finish_grad_relay(self.comm, flight.plan, flight.work, flight.arrived, state.grad_buffers)
             flight.arrived = None
-        flight.work, flight.sent, flight.received = start_first_grads(self.comm, flight.plan, first_grads, self.grads_format, state.grad_buffers, pipelined=True)
+        flight.work, flight.sent, flight.received = start_first_grads(
+            self.comm, flight.plan, first_grads, self.grads_format, state.grad_buffers, pipelined=True
+        )
 
     def _grads_arrived(self, state: _Slot) -> None:
         flight = state.grads_in_flight
@@ -205,7 +236,9 @@ class StaleExchange:
         rows, columns = state.rows
         state.rows = None
         if rows.shape[0] != plan.num_received:
-            raise RuntimeError(f"stale rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}")
+            raise RuntimeError(
+                f"stale rows for {rows.shape[0]} boundary columns, but this epoch samples {plan.num_received}"
+            )
         if self.smoothing is None:
             return rows
         if state.row_average is None:
@@ -229,7 +262,9 @@ class StaleExchange:
         if self.smoothing is None:
             return dense
         current = dense[self.send_rows]
-        state.grad_average = current if state.grad_average is None else torch.lerp(current, state.grad_average, self.smoothing)
+        state.grad_average = (
+            current if state.grad_average is None else torch.lerp(current, state.grad_average, self.smoothing)
+        )
         return dense.index_copy_(0, self.send_rows, state.grad_average)
 
     def state_dict(self) -> dict:

@@ -91,7 +91,13 @@ def exchange_selections(comm: Comm, topology: Topology, keep: torch.Tensor) -> t
     # source may change after the call).
     kept_bits = pack_segments(keep, topology.boundary_counts).to(comm.device, non_blocking=True)
     wanted_bits = torch.empty(sum(_packed_sizes(topology.send_counts)), dtype=torch.uint8, device=comm.device)
-    comm.all_to_all(kept_bits, _packed_sizes(topology.boundary_counts), _packed_sizes(topology.send_counts), wanted_bits, "selections")
+    comm.all_to_all(
+        kept_bits,
+        _packed_sizes(topology.boundary_counts),
+        _packed_sizes(topology.send_counts),
+        wanted_bits,
+        "selections",
+    )
     return unpack_segments(wanted_bits.cpu(), topology.send_counts)
 
 
@@ -125,7 +131,11 @@ def pack_segments(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
     byte array took about 2 ms of every epoch.)"""
     bits = mask.numpy()
     starts = itertools.accumulate(counts, initial=0)
-    return torch.from_numpy(np.concatenate([np.packbits(bits[start : start + n]) for start, n in zip(starts, counts)] or [np.empty(0, np.uint8)]))
+    return torch.from_numpy(
+        np.concatenate(
+            [np.packbits(bits[start : start + n]) for start, n in zip(starts, counts)] or [np.empty(0, np.uint8)]
+        )
+    )
 
 
 def unpack_segments(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -154,7 +164,14 @@ class Buffer:
 
 
 def start_rows(
-    comm: Comm, x_inner: torch.Tensor, plan: ExchangePlan, wire: WireFormat, send_buffer: Buffer, recv_buffer: Buffer, category: str, pipelined: bool = False
+    comm: Comm,
+    x_inner: torch.Tensor,
+    plan: ExchangePlan,
+    wire: WireFormat,
+    send_buffer: Buffer,
+    recv_buffer: Buffer,
+    category: str,
+    pipelined: bool = False,
 ) -> tuple[object, torch.Tensor]:
     """Encode the rows ``plan`` sends from ``x_inner`` [n_inner, *row] into ``send_buffer``
     and start the first stage's all-to-all. Returns the started work and the buffer
@@ -168,17 +185,23 @@ def start_rows(
     else:
         wire.encode(x_inner.index_select(0, plan.send_index), send)
     arrived = recv_buffer.view((plan.num_received, *wire_row), wire_dtype, x_inner.device)
-    work = comm.all_to_all_start(send, plan.send_counts, plan.recv_counts, arrived[: sum(plan.recv_counts)], category, pipelined=pipelined)
+    work = comm.all_to_all_start(
+        send, plan.send_counts, plan.recv_counts, arrived[: sum(plan.recv_counts)], category, pipelined=pipelined
+    )
     return work, arrived
 
 
-def start_row_relay(comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_buffer: Buffer, category: str, pipelined: bool = False):
+def start_row_relay(
+    comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_buffer: Buffer, category: str, pipelined: bool = False
+):
     """Once the first stage has arrived: hand its rows on inside the node (second stage).
     ``send_buffer`` (the first stage's, free again) carries them. Returns the work."""
     relay, first = plan.relay, sum(plan.recv_counts)
     hand_on = send_buffer.view((relay.send_index.numel(), *arrived.shape[1:]), arrived.dtype, arrived.device)
     torch.index_select(arrived[:first], 0, relay.send_index, out=hand_on)
-    return comm.all_to_all_start(hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True, pipelined=pipelined)
+    return comm.all_to_all_start(
+        hand_on, relay.send_counts, relay.recv_counts, arrived[first:], category, within_node=True, pipelined=pipelined
+    )
 
 
 def in_column_order(plan: ExchangePlan, rows: torch.Tensor) -> torch.Tensor:
@@ -186,7 +209,9 @@ def in_column_order(plan: ExchangePlan, rows: torch.Tensor) -> torch.Tensor:
     return rows if plan.relay is None else rows.index_select(0, plan.relay.order)
 
 
-def decode_rows(plan: ExchangePlan, arrived: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def decode_rows(
+    plan: ExchangePlan, arrived: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """Both stages' rows, all arrived, decoded: [plan.num_received, *row] in column order."""
     return in_column_order(plan, wire.decode(arrived, row, dtype))
 
@@ -199,7 +224,15 @@ def relay_rows(comm: Comm, plan: ExchangePlan, arrived: torch.Tensor, send_buffe
 
 
 def finish_rows(
-    comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, send_buffer: Buffer, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype, category: str
+    comm: Comm,
+    plan: ExchangePlan,
+    work,
+    arrived: torch.Tensor,
+    send_buffer: Buffer,
+    wire: WireFormat,
+    row: tuple[int, ...],
+    dtype: torch.dtype,
+    category: str,
 ) -> torch.Tensor:
     """Wait for rows started by :func:`start_rows`, relay them inside the node, decode them."""
     comm.wait(work, category)
@@ -207,18 +240,30 @@ def finish_rows(
     return decode_rows(plan, arrived, wire, row, dtype)
 
 
-def start_grad_relay(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, buffers: GradBuffers, pipelined: bool = False) -> tuple[object, torch.Tensor]:
+def start_grad_relay(
+    comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, buffers: GradBuffers, pipelined: bool = False
+) -> tuple[object, torch.Tensor]:
     """The gradients ``grad_rows`` [plan.num_received, *row] (column order) of relayed rows
     go back to the ranks that relayed them. Returns the work and the gradients in buffer
     order (its first stage's part is completed by :func:`finish_grad_relay`)."""
     relay = plan.relay
     arrived = torch.empty_like(grad_rows).index_copy_(0, relay.order, grad_rows)
     relayed = buffers.relay.view((relay.send_index.numel(), *grad_rows.shape[1:]), grad_rows.dtype, grad_rows.device)
-    work = comm.all_to_all_start(arrived[sum(plan.recv_counts) :], relay.recv_counts, relay.send_counts, relayed, "gradients", within_node=True, pipelined=pipelined)
+    work = comm.all_to_all_start(
+        arrived[sum(plan.recv_counts) :],
+        relay.recv_counts,
+        relay.send_counts,
+        relayed,
+        "gradients",
+        within_node=True,
+        pipelined=pipelined,
+    )
     return work, arrived
 
 
-def finish_grad_relay(comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, buffers: GradBuffers) -> torch.Tensor:
+def finish_grad_relay(
+    comm: Comm, plan: ExchangePlan, work, arrived: torch.Tensor, buffers: GradBuffers
+) -> torch.Tensor:
     """Wait for the relayed gradients and add them, in float32, to the rows this rank had
     relayed: the first stage's gradients [sum(plan.recv_counts), *row]."""
     comm.wait(work, "gradients")
@@ -227,15 +272,26 @@ def finish_grad_relay(comm: Comm, plan: ExchangePlan, work, arrived: torch.Tenso
     return first.index_add_(0, plan.relay.send_index, relayed)
 
 
-def start_first_grads(comm: Comm, plan: ExchangePlan, first_grads: torch.Tensor, wire: WireFormat, buffers: GradBuffers, pipelined: bool = False) -> tuple[object, torch.Tensor, torch.Tensor]:
+def start_first_grads(
+    comm: Comm,
+    plan: ExchangePlan,
+    first_grads: torch.Tensor,
+    wire: WireFormat,
+    buffers: GradBuffers,
+    pipelined: bool = False,
+) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Start sending the first stage's gradients [sum(plan.recv_counts), *row] to the owners.
     Returns the work, the tensor being sent (keep it alive until the work is done) and the
     buffer the owner's gradients land in [plan.send_index.numel(), *wire row]."""
     wire_row, wire_dtype = wire.wire_shape(tuple(first_grads.shape[1:])), wire.wire_dtype(first_grads.dtype)
     if not wire.exact:
-        first_grads = wire.encode(first_grads, buffers.send.view((first_grads.shape[0], *wire_row), wire_dtype, first_grads.device))
+        first_grads = wire.encode(
+            first_grads, buffers.send.view((first_grads.shape[0], *wire_row), wire_dtype, first_grads.device)
+        )
     received = buffers.recv.view((plan.send_index.numel(), *wire_row), wire_dtype, first_grads.device)
-    work = comm.all_to_all_start(first_grads, plan.recv_counts, plan.send_counts, received, "gradients", pipelined=pipelined)
+    work = comm.all_to_all_start(
+        first_grads, plan.recv_counts, plan.send_counts, received, "gradients", pipelined=pipelined
+    )
     return work, first_grads, received
 
 
@@ -250,12 +306,16 @@ def first_stage_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, b
     return finish_grad_relay(comm, plan, work, arrived, buffers)
 
 
-def start_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
+def start_grads(
+    comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, wire: WireFormat, buffers: GradBuffers
+) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Relay (inside the node, waited for) and start the first stage: see :func:`start_first_grads`."""
     return start_first_grads(comm, plan, first_stage_grads(comm, plan, grad_rows, buffers), wire, buffers)
 
 
-def finish_grads(comm: Comm, work, received: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def finish_grads(
+    comm: Comm, work, received: torch.Tensor, wire: WireFormat, row: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """Wait for gradients started by :func:`start_first_grads` and decode them:
     [plan.send_index.numel(), *row], one per row sent (add them at ``plan.send_index``)."""
     comm.wait(work, "gradients")
@@ -304,12 +364,25 @@ def start_nonzero_rows(
     received_bits = torch.empty((sum(plan.recv_counts), sent_bits.shape[1]), dtype=torch.uint8, device=x_inner.device)
     bits_work = comm.all_to_all_start(sent_bits, plan.send_counts, plan.recv_counts, received_bits, category)
     arrived = values_buffer.view((sum(received_counts) + 1,), x_inner.dtype, x_inner.device)
-    values_work = comm.all_to_all_start(values[: sum(sent_counts)], sent_counts, received_counts, arrived[:-1], category)
-    return (bits_work, values_work), arrived, NonzeroPattern(width, sent_bits, sent_counts, received_bits, received_counts)
+    values_work = comm.all_to_all_start(
+        values[: sum(sent_counts)], sent_counts, received_counts, arrived[:-1], category
+    )
+    return (
+        (bits_work, values_work),
+        arrived,
+        NonzeroPattern(width, sent_bits, sent_counts, received_bits, received_counts),
+    )
 
 
 def finish_nonzero_rows(
-    comm: Comm, plan: ExchangePlan, works: tuple[object, object], arrived: torch.Tensor, pattern: NonzeroPattern, out: torch.Tensor, send_buffer: Buffer, category: str
+    comm: Comm,
+    plan: ExchangePlan,
+    works: tuple[object, object],
+    arrived: torch.Tensor,
+    pattern: NonzeroPattern,
+    out: torch.Tensor,
+    send_buffer: Buffer,
+    category: str,
 ) -> torch.Tensor:
     """Wait for rows started by :func:`start_nonzero_rows`, write them whole into ``out``
     [plan.num_received, d] and relay them inside the node (whole, as
@@ -321,7 +394,9 @@ def finish_nonzero_rows(
     return in_column_order(plan, out)
 
 
-def start_nonzero_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers) -> tuple[object, torch.Tensor, torch.Tensor]:
+def start_nonzero_grads(
+    comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor, pattern: NonzeroPattern, buffers: GradBuffers
+) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Start sending the gradients of the received rows' nonzero entries to their owners;
     the rest need none (see :meth:`BoundaryExchange.start`). In a node-aware plan the
     relayed rows' gradients first come back whole and are summed (:func:`first_stage_grads`). Returns the work, the entries being sent and the buffer the owner's arrive in
@@ -335,12 +410,22 @@ def start_nonzero_grads(comm: Comm, plan: ExchangePlan, grad_rows: torch.Tensor,
     return work, values, received
 
 
-def finish_nonzero_grads(comm: Comm, work, received: torch.Tensor, pattern: NonzeroPattern, plan: ExchangePlan, n_inner: int, into: torch.Tensor | None = None) -> torch.Tensor:
+def finish_nonzero_grads(
+    comm: Comm,
+    work,
+    received: torch.Tensor,
+    pattern: NonzeroPattern,
+    plan: ExchangePlan,
+    n_inner: int,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Wait for gradients started by :func:`start_nonzero_grads`; returns them added into
     [n_inner, d] at the rows sent (zero where nothing was sent or an entry was zero), or
     into ``into`` in place."""
     comm.wait(work, "gradients")
-    return kernel_backend(received.device).scatter_nonzero_rows(plan.send_index, pattern.sent_bits, received, (n_inner, pattern.width), into)
+    return kernel_backend(received.device).scatter_nonzero_rows(
+        plan.send_index, pattern.sent_bits, received, (n_inner, pattern.width), into
+    )
 
 
 class GradBuffers:
@@ -364,7 +449,13 @@ class BoundaryExchange:
     in forward, and are written whole into the layer's receive buffer.
     """
 
-    def __init__(self, comm: Comm, rows_format: WireFormat | None = None, grads_format: WireFormat | None = None, nonzero_rows: bool = False) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        rows_format: WireFormat | None = None,
+        grads_format: WireFormat | None = None,
+        nonzero_rows: bool = False,
+    ) -> None:
         self.comm = comm
         self.rows_format = rows_format or EXACT
         self.grads_format = grads_format or EXACT
@@ -394,7 +485,14 @@ class BoundaryExchange:
         for buffer in self._all_buffers():
             buffer.storage = None
 
-    def start(self, x_inner: torch.Tensor, plan: ExchangePlan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> InFlightRows:
+    def start(
+        self,
+        x_inner: torch.Tensor,
+        plan: ExchangePlan,
+        slot: int,
+        category: str = "features",
+        zeros_need_no_gradient: bool = False,
+    ) -> InFlightRows:
         """Start fetching the rows of sampled boundary nodes for layer ``slot``;
         :meth:`InFlightRows.wait` returns them, [plan.num_received, *row] from ``x_inner``
         [n_inner, *row]. Differentiable: backward sends the rows' gradients to their owners.
@@ -433,7 +531,11 @@ class BoundaryExchange:
         if category != "evaluation":
             flight.rows_format, flight.grads_format = self.rows_format, self.grads_format
         flight.nonzero = (
-            zeros_need_no_gradient and self.nonzero_rows and x_inner.dim() == 2 and flight.rows_format.exact and flight.grads_format.exact
+            zeros_need_no_gradient
+            and self.nonzero_rows
+            and x_inner.dim() == 2
+            and flight.rows_format.exact
+            and flight.grads_format.exact
         )
         # the product is not kept on the flight: the node holds the flight, and a tensor the
         # node made, held there, would keep the epoch's graph alive past its backward
@@ -489,7 +591,9 @@ class _Send(torch.autograd.Function):
             )
             flight.rows_buffer = recv
         else:
-            flight.work, flight.arrived = start_rows(exchange.comm, x_inner, flight.plan, flight.rows_format, exchange.send_buffer, recv, flight.category)
+            flight.work, flight.arrived = start_rows(
+                exchange.comm, x_inner, flight.plan, flight.rows_format, exchange.send_buffer, recv, flight.category
+            )
         if inner is None:
             product = x_inner.new_empty(0)
             ctx.mark_non_differentiable(product)
@@ -505,15 +609,23 @@ class _Send(torch.autograd.Function):
         flight = ctx.flight
         comm = flight.exchange.comm
         # the inner product's gradient first: it runs while the rows' gradients travel
-        grad_x = None if ctx.inner is None or grad_product is None else kernel_backend(grad_product.device).spmm_transposed(ctx.inner, grad_product.contiguous())
+        grad_x = (
+            None
+            if ctx.inner is None or grad_product is None
+            else kernel_backend(grad_product.device).spmm_transposed(ctx.inner, grad_product.contiguous())
+        )
         grad_into = grad_product if ctx.into_given else None
         if flight.grads_received is None:  # the rows were not used: no gradient comes back for them
             return grad_x, None, None, None, grad_into
         backend = kernel_backend(flight.grads_received.device)
         if flight.pattern is not None:
-            grad_x = finish_nonzero_grads(comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner, grad_x)
+            grad_x = finish_nonzero_grads(
+                comm, flight.work, flight.grads_received, flight.pattern, flight.plan, ctx.n_inner, grad_x
+            )
         else:
-            grads = finish_grads(comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype)
+            grads = finish_grads(
+                comm, flight.work, flight.grads_received, flight.grads_format, flight.row, flight.dtype
+            )
             grad_x = backend.scatter_rows(flight.plan.send_index, grads, ctx.n_inner, grad_x)
         flight.work = flight.grads_sent = flight.grads_received = flight.pattern = None
         return grad_x, None, None, None, grad_into
@@ -530,10 +642,29 @@ class _Receive(torch.autograd.Function):
         exchange = flight.exchange
         if flight.pattern is not None:
             out = flight.rows_buffer.view((flight.plan.num_received, *flight.row), flight.dtype, flight.arrived.device)
-            rows = finish_nonzero_rows(exchange.comm, flight.plan, flight.work, flight.arrived, flight.pattern, out, exchange.send_buffer, flight.category)
+            rows = finish_nonzero_rows(
+                exchange.comm,
+                flight.plan,
+                flight.work,
+                flight.arrived,
+                flight.pattern,
+                out,
+                exchange.send_buffer,
+                flight.category,
+            )
             flight.rows_buffer = None
         else:
-            rows = finish_rows(exchange.comm, flight.plan, flight.work, flight.arrived, exchange.send_buffer, flight.rows_format, flight.row, flight.dtype, flight.category)
+            rows = finish_rows(
+                exchange.comm,
+                flight.plan,
+                flight.work,
+                flight.arrived,
+                exchange.send_buffer,
+                flight.rows_format,
+                flight.row,
+                flight.dtype,
+                flight.category,
+            )
         flight.work = flight.arrived = None
         return rows
 
@@ -542,9 +673,13 @@ class _Receive(torch.autograd.Function):
         flight = ctx.flight
         exchange = flight.exchange
         if flight.pattern is not None:
-            flight.work, flight.grads_sent, flight.grads_received = start_nonzero_grads(exchange.comm, flight.plan, grad_rows, flight.pattern, exchange.grad_buffers)
+            flight.work, flight.grads_sent, flight.grads_received = start_nonzero_grads(
+                exchange.comm, flight.plan, grad_rows, flight.pattern, exchange.grad_buffers
+            )
         else:
-            flight.work, flight.grads_sent, flight.grads_received = start_grads(exchange.comm, flight.plan, grad_rows, flight.grads_format, exchange.grad_buffers)
+            flight.work, flight.grads_sent, flight.grads_received = start_grads(
+                exchange.comm, flight.plan, grad_rows, flight.grads_format, exchange.grad_buffers
+            )
         return grad_rows.new_zeros(0), None
 
 

@@ -30,4 +30,15 @@ from .layer_norm import layer_norm_relu_dropout
 from .loss import cross_entropy_rows
 from .spmm import spmm, spmm_add_
 
-__all__ = ["Adjacency", "spmm", "spmm_add_", "gat_aggregate", "dropout", "RecomputedDropout", "layer_norm_relu_dropout", "cross_entropy_rows", "kernel_backend", "ENV_VAR"]
+__all__ = [
+    "Adjacency",
+    "spmm",
+    "spmm_add_",
+    "gat_aggregate",
+    "dropout",
+    "RecomputedDropout",
+    "layer_norm_relu_dropout",
+    "cross_entropy_rows",
+    "kernel_backend",
+    "ENV_VAR",
+]

@@ -57,7 +57,19 @@ class Adjacency:
     memory-bound, and 4-byte indices cut the bytes they read.
     """
 
-    __slots__ = ("indptr", "indices", "values", "t_indptr", "t_indices", "t_edge", "t_values", "n_rows", "n_cols", "row_scale", "col_scale")
+    __slots__ = (
+        "indptr",
+        "indices",
+        "values",
+        "t_indptr",
+        "t_indices",
+        "t_edge",
+        "t_values",
+        "n_rows",
+        "n_cols",
+        "row_scale",
+        "col_scale",
+    )
 
     def __init__(
         self,
@@ -87,7 +99,13 @@ class Adjacency:
 
     @classmethod
     def from_csr(
-        cls, indptr: Tensor, indices: Tensor, n_cols: int, values: Tensor | None = None, row_scale: Tensor | None = None, col_scale: Tensor | None = None
+        cls,
+        indptr: Tensor,
+        indices: Tensor,
+        n_cols: int,
+        values: Tensor | None = None,
+        row_scale: Tensor | None = None,
+        col_scale: Tensor | None = None,
     ) -> Adjacency:
         """Validate a CSR matrix and build its transpose (O(nnz log nnz), once)."""
         indptr = torch.as_tensor(indptr)
@@ -102,7 +120,9 @@ class Adjacency:
         if values is not None:
             values = torch.as_tensor(values)
             if values.shape != (nnz,) or not values.is_floating_point():
-                raise ValueError(f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array")
+                raise ValueError(
+                    f"CSR values must be a float tensor of shape [nnz={nnz}] or None; fix the values array"
+                )
         for name, scale, size in (("row_scale", row_scale, indptr.numel() - 1), ("col_scale", col_scale, n_cols)):
             if scale is not None and (scale.shape != (size,) or not scale.is_floating_point()):
                 raise ValueError(f"{name} must be a float tensor of shape [{size}] or None; fix the scale vector")
@@ -124,7 +144,17 @@ class Adjacency:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """Every tensor this matrix holds (for memory accounting; ``None`` where absent)."""
-        return (self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values, self.row_scale, self.col_scale)
+        return (
+            self.indptr,
+            self.indices,
+            self.values,
+            self.t_indptr,
+            self.t_indices,
+            self.t_edge,
+            self.t_values,
+            self.row_scale,
+            self.col_scale,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -136,14 +166,36 @@ class Adjacency:
             raise ValueError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
         t_values = None if values is None else values[self.t_edge]
         return Adjacency(
-            self.indptr, self.indices, values, self.t_indptr, self.t_indices, self.t_edge, t_values, self.n_cols, self.row_scale, self.col_scale
+            self.indptr,
+            self.indices,
+            values,
+            self.t_indptr,
+            self.t_indices,
+            self.t_edge,
+            t_values,
+            self.n_cols,
+            self.row_scale,
+            self.col_scale,
         )
 
     def scale_columns(self, factor: float) -> Adjacency:
         """``A diag(factor)``: the same matrix with every column scaled (O(n_cols), nothing per entry)."""
-        col_scale = torch.full((self.n_cols,), factor, device=self.device) if self.col_scale is None else self.col_scale * factor
+        col_scale = (
+            torch.full((self.n_cols,), factor, device=self.device)
+            if self.col_scale is None
+            else self.col_scale * factor
+        )
         return Adjacency(
-            self.indptr, self.indices, self.values, self.t_indptr, self.t_indices, self.t_edge, self.t_values, self.n_cols, self.row_scale, col_scale
+            self.indptr,
+            self.indices,
+            self.values,
+            self.t_indptr,
+            self.t_indices,
+            self.t_edge,
+            self.t_values,
+            self.n_cols,
+            self.row_scale,
+            col_scale,
         )
 
     def select_columns(self, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
@@ -162,7 +214,11 @@ class Adjacency:
         if self.col_scale is not None:  # the kept columns' scales, in order (sizes known: no device read)
             from .torch_backend import _compact
 
-            kept.col_scale = self.col_scale[keep] if sizes is None else _compact(self.col_scale, keep, torch.cumsum(keep, 0) - 1, sizes[0])
+            kept.col_scale = (
+                self.col_scale[keep]
+                if sizes is None
+                else _compact(self.col_scale, keep, torch.cumsum(keep, 0) - 1, sizes[0])
+            )
         return kept
 
     def to(self, device: torch.device | str) -> Adjacency:
@@ -186,5 +242,7 @@ class Adjacency:
 
     def __repr__(self) -> str:
         weighted = "weighted" if self.values is not None else "unweighted"
-        weighted += "".join(f", {side} scaled" for side, s in (("row", self.row_scale), ("column", self.col_scale)) if s is not None)
+        weighted += "".join(
+            f", {side} scaled" for side, s in (("row", self.row_scale), ("column", self.col_scale)) if s is not None
+        )
         return f"Adjacency({self.n_rows} x {self.n_cols}, nnz={self.nnz}, {weighted}, {self.device})"

@@ -78,7 +78,13 @@ class BufferPool:
             return torch.empty(shape, dtype=dtype)
         # the smallest free block that fits, up to twice the size (an activation [n, d] and
         # the gradient of the boundary rows [N_b, d] differ by a few percent)
-        free = [(size, block) for size, blocks in self._blocks.items() if nbytes <= size <= 2 * nbytes for block in blocks if block.is_free()]
+        free = [
+            (size, block)
+            for size, blocks in self._blocks.items()
+            if nbytes <= size <= 2 * nbytes
+            for block in blocks
+            if block.is_free()
+        ]
         if free:
             block = min(free, key=lambda item: item[0])[1]
         else:

@@ -103,7 +103,11 @@ class _LinearPair(torch.autograd.Function):
             both[:, :d_a].copy_(da)
             both[:, d_a:].copy_(db)
             dx = _input_gradient(both, x, torch.cat([weight_a, weight_b])) if ctx.needs_input_grad[0] else None
-            dweight_a, dweight_b = both.t().mm(x).split([d_a, weight_b.shape[0]]) if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else (None, None)
+            dweight_a, dweight_b = (
+                both.t().mm(x).split([d_a, weight_b.shape[0]])
+                if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+                else (None, None)
+            )
         else:
             dx = _input_gradient(da, x, weight_a).addmm_(db, weight_b) if ctx.needs_input_grad[0] else None
             dweight_a = da.t().mm(x) if ctx.needs_input_grad[1] else None

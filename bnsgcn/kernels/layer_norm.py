@@ -24,7 +24,9 @@ class _LayerNormReluDropout(torch.autograd.Function):
         ctx.scale = 1.0 / (1.0 - p)
         ctx.shifted = shift is not None
         shift = shift if shift is not None else x.new_zeros(x.shape[1])
-        out, keep, mean, rstd = kernel_backend(x.device).layer_norm_relu_dropout(x, shift, weight, bias, eps, round(p * LEVELS), ctx.scale)
+        out, keep, mean, rstd = kernel_backend(x.device).layer_norm_relu_dropout(
+            x, shift, weight, bias, eps, round(p * LEVELS), ctx.scale
+        )
         ctx.save_for_backward(x, shift, weight, mean, rstd, keep)
         return out
 
@@ -32,7 +34,9 @@ class _LayerNormReluDropout(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor, None, None]:
         x, shift, weight, mean, rstd, keep = ctx.saved_tensors
-        dx, dshift, dweight, dbias = kernel_backend(dout.device).layer_norm_relu_dropout_backward(dout.contiguous(), x, shift, weight, mean, rstd, keep, ctx.scale)
+        dx, dshift, dweight, dbias = kernel_backend(dout.device).layer_norm_relu_dropout_backward(
+            dout.contiguous(), x, shift, weight, mean, rstd, keep, ctx.scale
+        )
         return dx, (dshift if ctx.shifted else None), dweight, dbias, None, None
 
 
@@ -54,5 +58,7 @@ def layer_norm_relu_dropout(
     """
     p = p if training else 0.0
     if x.device.type != "cpu":
-        return dropout(F.relu(F.layer_norm(x if shift is None else x + shift, x.shape[1:], weight, bias, eps)), p, training)
+        return dropout(
+            F.relu(F.layer_norm(x if shift is None else x + shift, x.shape[1:], weight, bias, eps)), p, training
+        )
     return _LayerNormReluDropout.apply(x.contiguous(), shift, weight, bias, eps, p)

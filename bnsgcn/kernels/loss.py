@@ -31,7 +31,11 @@ class _CrossEntropyRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         probabilities, rows, labels = ctx.saved_tensors
-        return kernel_backend(grad.device).cross_entropy_rows_backward(probabilities, rows, labels, ctx.n, grad), None, None
+        return (
+            kernel_backend(grad.device).cross_entropy_rows_backward(probabilities, rows, labels, ctx.n, grad),
+            None,
+            None,
+        )
 
 
 def cross_entropy_rows(logits: Tensor, rows: Tensor, labels: Tensor) -> Tensor:

@@ -190,7 +190,9 @@ def _spmm_kernel(width: int) -> _RowParallel:
     row loops LLVM then unrolls: 10-20% faster at 64 and 128 here, slower at 16."""
 
     @_row_parallel(fastmath=_FASTMATH)
-    def kernel(indptr, indices, values, weighted, row_scale, row_scaled, col_scale, col_scaled, x, accumulate, out, n_blocks):
+    def kernel(
+        indptr, indices, values, weighted, row_scale, row_scaled, col_scale, col_scaled, x, accumulate, out, n_blocks
+    ):
         """``out (+)= diag(row_scale) P diag(col_scale) x``. Unweighted entries, and any row
         added into ``out``, are summed in a row-sized buffer that stays in L1 and written
         once, scaled by the row's factor: no multiplication per entry (forward 128 wide:
@@ -213,12 +215,16 @@ def _spmm_kernel(width: int) -> _RowParallel:
                 if per_entry and not accumulate:
                     for k in range(d):
                         out_row[k] = 0
-                    _add_weighted_entries(out_row, x, indices, values, weighted, col_scale, col_scaled, r, start, end, d)
+                    _add_weighted_entries(
+                        out_row, x, indices, values, weighted, col_scale, col_scaled, r, start, end, d
+                    )
                     continue
                 for k in range(d):
                     total[k] = 0
                 if per_entry:
-                    _add_weighted_entries(total, x, indices, values, weighted, col_scale, col_scaled, one, start, end, d)
+                    _add_weighted_entries(
+                        total, x, indices, values, weighted, col_scale, col_scaled, one, start, end, d
+                    )
                 else:
                     _add_entries(total, x, indices, start, end, d)
                 if accumulate:
@@ -345,7 +351,9 @@ def _count_kept_kernel(indptr, indices, keep, counts, n_blocks):
 
 
 @_row_parallel()
-def _filter_rows_kernel(indptr, indices, values, weighted, keep, new_column, new_indptr, new_indices, new_values, new_entry, n_blocks):
+def _filter_rows_kernel(
+    indptr, indices, values, weighted, keep, new_column, new_indptr, new_indices, new_values, new_entry, n_blocks
+):
     """Copy the kept entries of each row; ``new_entry[j]`` = new id of kept entry ``j``."""
     for block in prange(n_blocks):
         for v in range(_block_start(indptr, block, n_blocks), _block_start(indptr, block + 1, n_blocks)):
@@ -361,7 +369,20 @@ def _filter_rows_kernel(indptr, indices, values, weighted, keep, new_column, new
 
 
 @_row_parallel()
-def _filter_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept_columns, new_entry, new_t_indptr, new_t_indices, new_t_edge, new_t_values, n_blocks):
+def _filter_columns_kernel(
+    t_indptr,
+    t_indices,
+    t_edge,
+    t_values,
+    weighted,
+    kept_columns,
+    new_entry,
+    new_t_indptr,
+    new_t_indices,
+    new_t_edge,
+    new_t_values,
+    n_blocks,
+):
     """Copy the transposed rows (columns) that are kept, pointing t_edge at the new entry ids."""
     for block in prange(n_blocks):
         for c in range(_block_start(new_t_indptr, block, n_blocks), _block_start(new_t_indptr, block + 1, n_blocks)):
@@ -394,7 +415,21 @@ def _offsets(counts: Tensor) -> Tensor:
 
 
 @njit(cache=True)
-def _select_by_columns_kernel(t_indptr, t_indices, t_edge, t_values, weighted, kept_columns, indptr, indices, values, new_t_indptr, new_t_indices, new_t_edge, new_t_values):
+def _select_by_columns_kernel(
+    t_indptr,
+    t_indices,
+    t_edge,
+    t_values,
+    weighted,
+    kept_columns,
+    indptr,
+    indices,
+    values,
+    new_t_indptr,
+    new_t_indices,
+    new_t_edge,
+    new_t_values,
+):
     """The kept columns' entries, read from the transposed CSR alone: count them per row,
     then place each at its row's next free slot, visiting columns in ascending order (so
     each row's columns come out ascending, as a counting sort)."""
@@ -474,7 +509,14 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
 
 
 def _spmm_csr(
-    indptr: Tensor, indices: Tensor, values: Tensor | None, row_scale: Tensor | None, col_scale: Tensor | None, x: Tensor, n_rows: int, out: Tensor | None = None
+    indptr: Tensor,
+    indices: Tensor,
+    values: Tensor | None,
+    row_scale: Tensor | None,
+    col_scale: Tensor | None,
+    x: Tensor,
+    n_rows: int,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``diag(row_scale) P diag(col_scale) x`` into a new tensor, or added into ``out``
     (C-contiguous, [n_rows, d]) when given."""
@@ -592,7 +634,9 @@ def scatter_rows(index: Tensor, rows: Tensor, n: int, into: Tensor | None = None
     1.1 ns per element here, after a fill of its own."""
     out = buffers.empty((n, *rows.shape[1:]), rows.dtype) if into is None else into
     width = math.prod(rows.shape[1:])
-    _scatter_rows_kernel(_array(index), _array(rows).reshape(rows.shape[0], width), into is None, out.numpy().reshape(n, width))
+    _scatter_rows_kernel(
+        _array(index), _array(rows).reshape(rows.shape[0], width), into is None, out.numpy().reshape(n, width)
+    )
     return out
 
 
@@ -765,7 +809,9 @@ def gather_nonzero(rows: Tensor, bits: Tensor, values: Tensor) -> Tensor:
     return values[:-1]
 
 
-def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None) -> Tensor:
+def scatter_nonzero_rows(
+    index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None
+) -> Tensor:
     """:func:`scatter_rows` of the rows that ``bits`` and ``values`` pack (zero where a bit is
     clear): ``out`` of ``shape`` [n, d], zero plus row i added at row ``index[i]`` (with
     ``into``, added into it in place); ``values`` holds the entries and one spare slot."""
@@ -825,7 +871,16 @@ def _dropout_kernel(x, seed, threshold, scale, out, keep, with_mask, n_blocks):
     for block in prange(n_blocks):
         first, last = words * block // n_blocks, words * (block + 1) // n_blocks
         start, stop = 4 * first, min(4 * last, n)
-        _dropout_block(x[start:stop], seed, first, threshold, scale, out[start:stop], keep[start:stop] if with_mask else keep[0:0], with_mask)
+        _dropout_block(
+            x[start:stop],
+            seed,
+            first,
+            threshold,
+            scale,
+            out[start:stop],
+            keep[start:stop] if with_mask else keep[0:0],
+            with_mask,
+        )
 
 
 @njit(cache=True)
@@ -868,19 +923,33 @@ def _quantize_kernel(x, lo, inv_step, levels, seed, codes, n_blocks):
     words_per_row = (d + 1) // 2
     for block in prange(n_blocks):
         start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
-        _quantize_block(x[start:stop], lo[start:stop], inv_step[start:stop], levels, seed, start * words_per_row, codes[start:stop])
+        _quantize_block(
+            x[start:stop], lo[start:stop], inv_step[start:stop], levels, seed, start * words_per_row, codes[start:stop]
+        )
 
 
-def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
+def quantize_codes(
+    x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None
+) -> Tensor:
     """uint8 codes ``floor((x - lo) * inv_step + u)`` clamped to ``[0, levels]``, ``u``
     uniform in [0, 1) (24 bits) from a counter-based generator seeded from torch's: one pass."""
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     codes = torch.empty(x.shape, dtype=torch.uint8)
-    _quantize_kernel(_array(x.float().contiguous()), _array(lo), _array(inv_step), levels, np.uint64(seed), codes.numpy(), work=x.numel())
+    _quantize_kernel(
+        _array(x.float().contiguous()),
+        _array(lo),
+        _array(inv_step),
+        levels,
+        np.uint64(seed),
+        codes.numpy(),
+        work=x.numel(),
+    )
     return codes
 
 
-def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, with_mask: bool = True) -> tuple[Tensor, Tensor | None]:
+def dropout(
+    x: Tensor, threshold: int, scale: float, seed: int | None = None, with_mask: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, one
     fused pass; the bits come from ``seed`` (the same mask for the same seed and shape), by
     default one drawn from torch's generator (reproducible). Without ``with_mask`` the mask
@@ -898,7 +967,9 @@ def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, wi
 def masked_scale(dy: Tensor, keep: Tensor, scale: float) -> Tensor:
     """``dy * keep * scale`` in one pass."""
     dx = buffers.empty(dy.shape, dy.dtype)
-    _masked_scale_kernel(_array(dy).reshape(-1), _array(keep).reshape(-1), scale, dx.numpy().reshape(-1), work=dy.numel())
+    _masked_scale_kernel(
+        _array(dy).reshape(-1), _array(keep).reshape(-1), scale, dx.numpy().reshape(-1), work=dy.numel()
+    )
     return dx
 
 
@@ -966,8 +1037,19 @@ def _norm_relu_dropout_kernel(x, shift, weight, bias, eps, seed, threshold, scal
     for block in prange(n_blocks):
         start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
         _norm_relu_dropout_rows(
-            x[start:stop], shift, weight, bias, eps, seed, start * words_per_row, threshold, scale,
-            out[start:stop], keep[start:stop], mean[start:stop], rstd[start:stop],
+            x[start:stop],
+            shift,
+            weight,
+            bias,
+            eps,
+            seed,
+            start * words_per_row,
+            threshold,
+            scale,
+            out[start:stop],
+            keep[start:stop],
+            mean[start:stop],
+            rstd[start:stop],
         )
 
 
@@ -1020,7 +1102,9 @@ def _norm_relu_dropout_grad_rows(dout, x, shift, weight, mean, rstd, keep, scale
 
 
 @_row_parallel(fastmath=_FASTMATH)
-def _norm_relu_dropout_grad_kernel(dout, x, shift, weight, mean, rstd, keep, scale, dx, dshift, dweight, dbias, n_blocks):
+def _norm_relu_dropout_grad_kernel(
+    dout, x, shift, weight, mean, rstd, keep, scale, dx, dshift, dweight, dbias, n_blocks
+):
     n, d = x.shape
     scale = x.dtype.type(scale)
     # Per-block partial sums of the parameter gradients (float64), added up at the end.
@@ -1030,8 +1114,18 @@ def _norm_relu_dropout_grad_kernel(dout, x, shift, weight, mean, rstd, keep, sca
     for block in prange(n_blocks):
         start, stop = n * block // n_blocks, n * (block + 1) // n_blocks
         _norm_relu_dropout_grad_rows(
-            dout[start:stop], x[start:stop], shift, weight, mean[start:stop], rstd[start:stop], keep[start:stop],
-            scale, dx[start:stop], dshift_blocks[block], dweight_blocks[block], dbias_blocks[block],
+            dout[start:stop],
+            x[start:stop],
+            shift,
+            weight,
+            mean[start:stop],
+            rstd[start:stop],
+            keep[start:stop],
+            scale,
+            dx[start:stop],
+            dshift_blocks[block],
+            dweight_blocks[block],
+            dbias_blocks[block],
         )
     for j in range(x.shape[1]):
         dshift[j] = dshift_blocks[:, j].sum()
@@ -1053,8 +1147,19 @@ def layer_norm_relu_dropout(
     out, keep = buffers.empty(x.shape, x.dtype), buffers.empty((n, (d + 7) // 8), torch.uint8)  # every byte written
     mean, rstd = torch.empty(n, dtype=x.dtype), torch.empty(n, dtype=x.dtype)
     _norm_relu_dropout_kernel(
-        _array(x), _array(shift.to(x.dtype)), _array(weight.to(x.dtype)), _array(bias.to(x.dtype)), float(eps), np.uint64(seed), np.uint64(threshold),
-        float(scale), out.numpy(), keep.numpy(), mean.numpy(), rstd.numpy(), work=x.numel(),
+        _array(x),
+        _array(shift.to(x.dtype)),
+        _array(weight.to(x.dtype)),
+        _array(bias.to(x.dtype)),
+        float(eps),
+        np.uint64(seed),
+        np.uint64(threshold),
+        float(scale),
+        out.numpy(),
+        keep.numpy(),
+        mean.numpy(),
+        rstd.numpy(),
+        work=x.numel(),
     )
     return out, keep, mean, rstd
 
@@ -1067,7 +1172,18 @@ def layer_norm_relu_dropout_backward(
     dx = buffers.empty(x.shape, x.dtype)
     dshift, dweight, dbias = (torch.empty(x.shape[1], dtype=torch.float64) for _ in range(3))
     _norm_relu_dropout_grad_kernel(
-        _array(dout), _array(x), _array(shift.to(x.dtype)), _array(weight.to(x.dtype)), _array(mean), _array(rstd), _array(keep), float(scale),
-        dx.numpy(), dshift.numpy(), dweight.numpy(), dbias.numpy(), work=x.numel(),
+        _array(dout),
+        _array(x),
+        _array(shift.to(x.dtype)),
+        _array(weight.to(x.dtype)),
+        _array(mean),
+        _array(rstd),
+        _array(keep),
+        float(scale),
+        dx.numpy(),
+        dshift.numpy(),
+        dweight.numpy(),
+        dbias.numpy(),
+        work=x.numel(),
     )
     return dx, dshift.to(shift.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)

@@ -50,7 +50,9 @@ def _entry_rows(indptr: Tensor, nnz: int) -> Tensor:
     n_rows = indptr.numel() - 1
     dtype = torch.int32 if n_rows <= _INT32_MAX else torch.int64
     # output_size: the length (nnz) is known on the host, so CUDA need not read it back
-    return torch.repeat_interleave(torch.arange(n_rows, dtype=dtype, device=indptr.device), indptr.diff(), output_size=nnz)
+    return torch.repeat_interleave(
+        torch.arange(n_rows, dtype=dtype, device=indptr.device), indptr.diff(), output_size=nnz
+    )
 
 
 def _compact(x: Tensor, keep: Tensor, slot: Tensor, size: int) -> Tensor:
@@ -91,7 +93,14 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, n_cols)
 
 
-def _scaled_values(values: Tensor | None, indptr: Tensor, indices: Tensor, row_scale: Tensor | None, col_scale: Tensor | None, like: Tensor) -> Tensor:
+def _scaled_values(
+    values: Tensor | None,
+    indptr: Tensor,
+    indices: Tensor,
+    row_scale: Tensor | None,
+    col_scale: Tensor | None,
+    like: Tensor,
+) -> Tensor:
     """Per entry ``r_v * values[e] * c_u`` [nnz] (a temporary: cuSPARSE takes values per entry)."""
     values = _values_or_ones(values, indices.numel(), like)
     if row_scale is not None:
@@ -266,13 +275,17 @@ def gather_nonzero(rows: Tensor, bits: Tensor, values: Tensor) -> Tensor:
     return values[:-1]
 
 
-def scatter_nonzero_rows(index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None) -> Tensor:
+def scatter_nonzero_rows(
+    index: Tensor, bits: Tensor, values: Tensor, shape: tuple[int, int], into: Tensor | None = None
+) -> Tensor:
     """:func:`scatter_rows` of packed rows (see the numba backend's)."""
     rows = torch.zeros((bits.shape[0], shape[1]), dtype=values.dtype, device=values.device)
     return scatter_rows(index, rows.masked_scatter_(_unpack_bits(bits, shape[1]), values), shape[0], into)
 
 
-def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None) -> Tensor:
+def quantize_codes(
+    x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generator: torch.Generator | None = None
+) -> Tensor:
     """uint8 codes ``floor((x - lo) * inv_step + u)`` clamped to ``[0, levels]``, ``u``
     uniform in [0, 1) from torch's generator."""
     scaled = (x - lo[:, None]).mul_(inv_step[:, None])
@@ -280,7 +293,9 @@ def quantize_codes(x: Tensor, lo: Tensor, inv_step: Tensor, levels: int, generat
     return scaled.floor_().clamp_(0, levels).to(torch.uint8)
 
 
-def dropout(x: Tensor, threshold: int, scale: float, seed: int | None = None, with_mask: bool = True) -> tuple[Tensor, Tensor | None]:
+def dropout(
+    x: Tensor, threshold: int, scale: float, seed: int | None = None, with_mask: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """``(x * keep * scale, keep)`` with ``keep`` = 16 random bits >= ``threshold``, the bits
     drawn as 64-bit words from torch's generator, or from a generator seeded with ``seed``
     (the same mask for the same seed and shape); ``keep`` None without ``with_mask``."""

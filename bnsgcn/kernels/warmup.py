@@ -45,14 +45,24 @@ def exercise() -> None:
     n_rows, n_cols, width = 6, 9, 4
     indices = torch.cat([torch.randperm(n_cols, generator=generator)[:3].sort().values for _ in range(n_rows)])
     indptr = torch.arange(0, 3 * n_rows + 1, 3)
-    adj = Adjacency.from_csr(indptr, indices, n_cols, row_scale=torch.rand(n_rows, generator=generator), col_scale=torch.rand(n_cols, generator=generator))
+    adj = Adjacency.from_csr(
+        indptr,
+        indices,
+        n_cols,
+        row_scale=torch.rand(n_rows, generator=generator),
+        col_scale=torch.rand(n_cols, generator=generator),
+    )
     kept = adj.select_columns(torch.arange(n_cols) % 2 == 0)
     adj.select_columns(torch.arange(n_cols) == 0)  # few entries kept: selected through the transpose
 
     x = torch.randn(n_cols, width, generator=generator, requires_grad=True)
     base = torch.randn(n_rows, width, generator=generator, requires_grad=True)
-    hidden = layer_norm_relu_dropout(spmm_add_(base * 1.0, adj, x), torch.ones(width), torch.zeros(width), 1e-5, 0.5, True)
-    hidden = layer_norm_relu_dropout(hidden + spmm(adj, dropout(x, 0.5, True)), torch.ones(width), torch.zeros(width), 1e-5, 0.0, True)
+    hidden = layer_norm_relu_dropout(
+        spmm_add_(base * 1.0, adj, x), torch.ones(width), torch.zeros(width), 1e-5, 0.5, True
+    )
+    hidden = layer_norm_relu_dropout(
+        hidden + spmm(adj, dropout(x, 0.5, True)), torch.ones(width), torch.zeros(width), 1e-5, 0.0, True
+    )
     recomputed = RecomputedDropout()
     with recomputed.saving_recipes():
         hidden = hidden * recomputed(x.detach()[:n_rows], 0.5, True)
@@ -60,13 +70,17 @@ def exercise() -> None:
     features = torch.randn(kept.n_cols, heads, width, generator=generator, requires_grad=True)
     score_src = torch.randn(kept.n_cols, heads, generator=generator, requires_grad=True)
     score_dst = torch.randn(n_rows, heads, generator=generator, requires_grad=True)
-    attended = gat_aggregate(kept, features, score_src, score_dst, col_weight=torch.rand(kept.n_cols, generator=generator))
+    attended = gat_aggregate(
+        kept, features, score_src, score_dst, col_weight=torch.rand(kept.n_cols, generator=generator)
+    )
     (hidden.sum() + attended.sum()).backward()
     for constant_width in numba_backend._CONSTANT_WIDTHS:  # the sparse product's builds for these widths
         spmm(adj, torch.randn(n_cols, constant_width, generator=generator))
     lo, inv_step = torch.zeros(n_rows), torch.ones(n_rows)
     numba_backend.quantize_codes(hidden.detach(), lo, inv_step, 15, generator)
-    numba_backend.scatter_rows(torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows)  # the exchange's backward
+    numba_backend.scatter_rows(
+        torch.tensor([0, 2, 0]), torch.randn(3, width, generator=generator), n_rows
+    )  # the exchange's backward
     logits = torch.randn(n_rows, width, generator=generator, requires_grad=True)  # the loss, forward and backward
     cross_entropy_rows(logits, torch.tensor([1, 4]), torch.tensor([0, 3])).backward()
     # rows as their nonzero entries (the exchange's --nonzero-rows on), forward and backward
@@ -74,7 +88,9 @@ def exercise() -> None:
     bits = torch.empty(len(index), (width + 7) // 8, dtype=torch.uint8)
     count = int(numba_backend.pack_nonzero_rows(rows, index, bits, torch.empty(len(index) * width))[-1])
     numba_backend.unpack_nonzero_rows(bits, torch.zeros(count + 1), torch.empty(len(index), width))
-    values = numba_backend.gather_nonzero(torch.randn(len(index), width, generator=generator), bits, torch.empty(count + 1))
+    values = numba_backend.gather_nonzero(
+        torch.randn(len(index), width, generator=generator), bits, torch.empty(count + 1)
+    )
     numba_backend.scatter_nonzero_rows(index, bits, torch.cat([values, torch.zeros(1)]), (n_rows, width))
 
 

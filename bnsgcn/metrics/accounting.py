@@ -25,8 +25,17 @@ CATEGORIES = ("features", "gradients", "selections", "reduction", "evaluation", 
 # injected_delay: --inject-delay's sleep (a testing aid, never compute); sync: waits on other
 # ranks while averaging parameters (--sync other than allreduce, bnsgcn.sync.averaging)
 TIMES = (
-    "sampling", "forward", "backward", "exchange_selections", "exchange_forward", "exchange_backward", "reduction", "evaluation", "idle",
-    "injected_delay", "sync",
+    "sampling",
+    "forward",
+    "backward",
+    "exchange_selections",
+    "exchange_forward",
+    "exchange_backward",
+    "reduction",
+    "evaluation",
+    "idle",
+    "injected_delay",
+    "sync",
 )
 COLUMNS = (
     ("loss_sum", "sampled_boundary", "epoch_time")
@@ -149,7 +158,9 @@ def resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def static_figures(comm: Comm, n_inner: int, n_boundary: int, edges: int, holder_bytes: dict[str, int], baseline_rss_bytes: int) -> dict:
+def static_figures(
+    comm: Comm, n_inner: int, n_boundary: int, edges: int, holder_bytes: dict[str, int], baseline_rss_bytes: int
+) -> dict:
     """What a rank reports once, at the end of training. ``holder_bytes``: bytes per
     long-lived holder (:func:`bnsgcn.metrics.memory.holders`; ``partition_bytes`` among them)."""
     return {

@@ -50,7 +50,9 @@ def return_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     # Setting either disables glibc's dynamic threshold adjustment.
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    )
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -167,7 +167,9 @@ class _Heartbeat:
 
 
 @contextmanager
-def step(desc: str, stream: TextIO | None = None, *, enabled: bool = True, interval: float | None = None) -> Iterator[None]:
+def step(
+    desc: str, stream: TextIO | None = None, *, enabled: bool = True, interval: float | None = None
+) -> Iterator[None]:
     """Time one long step: writes ``desc ...`` then ``desc ... done in X.Xs``.
 
     On a terminal both go on one line; otherwise the start gets its own line so a log

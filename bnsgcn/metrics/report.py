@@ -68,12 +68,31 @@ BALANCE = {
 # is what epoch_time holds beyond the measured parts (loss, optimizer step); idle is
 # waited after the epoch.
 TIME_SPLIT = (
-    "sampling", "exchange_selections", "compute_forward", "exchange_forward", "compute_backward", "exchange_backward",
-    "reduction", "injected_delay", "sync", "evaluation", "other", "idle",
+    "sampling",
+    "exchange_selections",
+    "compute_forward",
+    "exchange_forward",
+    "compute_backward",
+    "exchange_backward",
+    "reduction",
+    "injected_delay",
+    "sync",
+    "evaluation",
+    "other",
+    "idle",
 )
 # parts of the epoch measured one after the other (reports written before selections were
 # timed apart lack that column: it counts as 0 there)
-_SEQUENTIAL = ("sampling", "exchange_selections", "forward", "backward", "reduction", "evaluation", "injected_delay", "sync")
+_SEQUENTIAL = (
+    "sampling",
+    "exchange_selections",
+    "forward",
+    "backward",
+    "reduction",
+    "evaluation",
+    "injected_delay",
+    "sync",
+)
 # Device memory: measured on CUDA only; elsewhere None ("-" in the table), never 0.
 DEVICE_MEMORY = ("peak_cuda_allocated_bytes", "peak_cuda_reserved_bytes")
 # The first epochs of a run compile kernels (numba, CUDA) and warm allocators: the report's
@@ -81,7 +100,9 @@ DEVICE_MEMORY = ("peak_cuda_allocated_bytes", "peak_cuda_reserved_bytes")
 WARMUP_EPOCHS = 2
 
 
-def steady_state(tables: list[torch.Tensor], columns: tuple[str, ...], warmup: int = WARMUP_EPOCHS) -> tuple[list[dict[str, float]], dict]:
+def steady_state(
+    tables: list[torch.Tensor], columns: tuple[str, ...], warmup: int = WARMUP_EPOCHS
+) -> tuple[list[dict[str, float]], dict]:
     """Per rank, each figure's median over the steady epochs of ``tables`` (one float64
     [world, len(columns)] per epoch run): the first ``min(warmup, epochs - 1)`` epochs are
     left out (a run of one epoch keeps it). Returns one dict per rank, ``columns`` plus
@@ -97,7 +118,11 @@ def steady_state(tables: list[torch.Tensor], columns: tuple[str, ...], warmup: i
     other = (steady[..., index["epoch_time"]] - parts).clamp(min=0.0)
     medians = torch.cat([steady, other.unsqueeze(-1)], dim=-1).quantile(0.5, dim=0)
     per_rank = [dict(zip((*columns, "time_other"), row)) for row in medians.tolist()]
-    return per_rank, {"epochs_run": len(tables), "warmup_epochs_left_out": left_out, "median_over_epochs": len(tables) - left_out}
+    return per_rank, {
+        "epochs_run": len(tables),
+        "warmup_epochs_left_out": left_out,
+        "median_over_epochs": len(tables) - left_out,
+    }
 
 
 def time_split(means: dict[str, float]) -> dict[str, float]:
@@ -131,7 +156,11 @@ def build(static: list[dict], per_epoch: list[dict[str, float]], info: dict) -> 
     ranks = []
     for figures, means in zip(static, per_epoch):
         rank = {key: None for key in DEVICE_MEMORY} | dict(figures)
-        rank["peak_memory_bytes"] = rank["peak_cuda_allocated_bytes"] if rank["peak_cuda_allocated_bytes"] is not None else figures["peak_rss_bytes"]
+        rank["peak_memory_bytes"] = (
+            rank["peak_cuda_allocated_bytes"]
+            if rank["peak_cuda_allocated_bytes"] is not None
+            else figures["peak_rss_bytes"]
+        )
         if "baseline_rss_bytes" in figures:
             rank["memory_above_baseline_bytes"] = figures["peak_rss_bytes"] - figures["baseline_rss_bytes"]
         rank["boundary_inner_ratio"] = figures["boundary_nodes"] / max(figures["inner_nodes"], 1)
@@ -166,7 +195,13 @@ def spread(values: list[float]) -> dict:
     """max / mean / min, imbalance (max / mean) and the straggler's rank."""
     mean = sum(values) / len(values)
     top = max(range(len(values)), key=values.__getitem__)
-    return {"max": values[top], "mean": mean, "min": min(values), "imbalance": values[top] / mean if mean else 1.0, "straggler": top}
+    return {
+        "max": values[top],
+        "mean": mean,
+        "min": min(values),
+        "imbalance": values[top] / mean if mean else 1.0,
+        "straggler": top,
+    }
 
 
 def write(run_dir: Path, report: dict, figures: bool = True) -> Path:
@@ -199,7 +234,9 @@ def _label(key: str) -> str:
 def _layout(rows: list[list[str]]) -> str:
     """Align a table (first row the header): first column left, the others right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -216,7 +253,13 @@ def render_table(report: dict) -> str:
         rows.append(
             [_label(key)]
             + [_fmt(r[key], unit) for r in ranks]
-            + [_fmt(s["max"], unit), _fmt(s["mean"], unit), _fmt(s["min"], unit), f"{s['imbalance']:.2f}", f"rank {s['straggler']}"]
+            + [
+                _fmt(s["max"], unit),
+                _fmt(s["mean"], unit),
+                _fmt(s["min"], unit),
+                f"{s['imbalance']:.2f}",
+                f"rank {s['straggler']}",
+            ]
         )
     return _layout(rows) + _steady_note(report["info"])
 
@@ -239,7 +282,9 @@ def compare(reports: list[tuple[str, dict]]) -> str:
     A negative change is a saving: ``(-42%)`` means 42% less than the first run.
     """
     rows = [["figure (max over ranks)"] + [name for name, _ in reports]]
-    settings = [(label, lambda info, k=k: info.get("config", {}).get(k, "?")) for label, k in (("model", "model"), ("p", "p"))]
+    settings = [
+        (label, lambda info, k=k: info.get("config", {}).get(k, "?")) for label, k in (("model", "model"), ("p", "p"))
+    ]
     settings.append(("ranks", lambda info: info.get("world_size", "?")))
     for label, get in settings:
         rows.append([label] + [str(get(rep["info"])) for _, rep in reports])
@@ -287,7 +332,17 @@ def write_figures(report: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize="small", loc="upper right")
 
     def memory(fig) -> None:
-        keys = [k for k in ("peak_rss_bytes", *DEVICE_MEMORY, "memory_above_baseline_bytes", "partition_bytes", "saved_activation_bytes") if report["summary"].get(k) is not None]
+        keys = [
+            k
+            for k in (
+                "peak_rss_bytes",
+                *DEVICE_MEMORY,
+                "memory_above_baseline_bytes",
+                "partition_bytes",
+                "saved_activation_bytes",
+            )
+            if report["summary"].get(k) is not None
+        ]
         ax = fig.subplots()
         grouped_bars(ax, {BALANCE[k][0]: [r[k] / MiB for r in ranks] for k in keys}, "MiB")
         peak = report["summary"]["peak_memory_bytes"]
@@ -295,9 +350,20 @@ def write_figures(report: dict, out_dir: Path) -> list[Path]:
 
     def boundary(fig) -> None:
         counts, ratios = fig.subplots(1, 2)
-        grouped_bars(counts, {BALANCE[k][0]: [r[k] for r in ranks] for k in ("inner_nodes", "boundary_nodes", "sampled_boundary")}, "nodes")
+        grouped_bars(
+            counts,
+            {BALANCE[k][0]: [r[k] for r in ranks] for k in ("inner_nodes", "boundary_nodes", "sampled_boundary")},
+            "nodes",
+        )
         counts.set_title("nodes per rank")
-        grouped_bars(ratios, {"boundary/inner": [r["boundary_inner_ratio"] for r in ranks], "sampled/inner": [r["sampled_boundary"] / max(r["inner_nodes"], 1) for r in ranks]}, "ratio")
+        grouped_bars(
+            ratios,
+            {
+                "boundary/inner": [r["boundary_inner_ratio"] for r in ranks],
+                "sampled/inner": [r["sampled_boundary"] / max(r["inner_nodes"], 1) for r in ranks],
+            },
+            "ratio",
+        )
         ratios.set_title("boundary/inner per rank")
 
     def time(fig) -> None:
@@ -312,7 +378,11 @@ def write_figures(report: dict, out_dir: Path) -> list[Path]:
         ax.set_title("time split per rank")
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
-    drawings: dict[str, tuple[Callable, tuple[float, float]]] = {"memory.png": (memory, (7, 4)), "boundary.png": (boundary, (11, 4)), "time.png": (time, (8, 4.5))}
+    drawings: dict[str, tuple[Callable, tuple[float, float]]] = {
+        "memory.png": (memory, (7, 4)),
+        "boundary.png": (boundary, (11, 4)),
+        "time.png": (time, (8, 4.5)),
+    }
     paths = []
     for name, (draw, size) in drawings.items():
         fig = Figure(figsize=size, layout="constrained")
@@ -329,13 +399,17 @@ def load(run_dir: Path) -> dict:
     """The report of a saved run, or :class:`UserError` naming what is wrong with ``run_dir``."""
     path = Path(run_dir) / REPORT_NAME
     if not path.is_file():
-        raise UserError(f"{path} not found: {run_dir} is not a finished bnsgcn run; pass a run directory written by bnsgcn-train")
+        raise UserError(
+            f"{path} not found: {run_dir} is not a finished bnsgcn run; pass a run directory written by bnsgcn-train"
+        )
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc}); re-run the training") from None
     if not isinstance(report, dict) or not {"info", "ranks", "summary"} <= report.keys():
-        raise UserError(f"{path} is not a bnsgcn report (no info/ranks/summary); pass a run directory written by bnsgcn-train")
+        raise UserError(
+            f"{path} is not a bnsgcn report (no info/ranks/summary); pass a run directory written by bnsgcn-train"
+        )
     return report
 
 
@@ -343,7 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     """``bnsgcn-report RUN_DIR [RUN_DIR ...]``: re-render one run, or compare several with the first."""
     parser = argparse.ArgumentParser(prog="bnsgcn-report", description=main.__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories written by bnsgcn-train")
-    parser.add_argument("--figures", action="store_true", help="also draw memory.png, boundary.png and time.png into each run directory (needs matplotlib)")
+    parser.add_argument(
+        "--figures",
+        action="store_true",
+        help="also draw memory.png, boundary.png and time.png into each run directory (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     try:
         reports = [(str(r), load(r)) for r in args.runs]
@@ -356,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 paths = write_figures(report, run)
             except OSError as exc:
-                print(f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run elsewhere", file=sys.stderr)
+                print(
+                    f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run elsewhere",
+                    file=sys.stderr,
+                )
                 return 2
             for path in paths:
                 print(f"wrote {path}")

@@ -91,16 +91,22 @@ class EpochGraph:
         is active, the rows this slot received in the forward pass, without any exchange."""
         if self.replaying:
             if self.kept_rows is None or slot not in self.kept_rows:
-                raise RuntimeError(f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass")
+                raise RuntimeError(
+                    f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass"
+                )
             return _KeptRows(self.kept_rows, slot, None)
-        flight = self.exchange.start(x_inner, self.plan, slot, self.traffic, zeros_need_no_gradient=slot in self.nonzero_only_slots)
+        flight = self.exchange.start(
+            x_inner, self.plan, slot, self.traffic, zeros_need_no_gradient=slot in self.nonzero_only_slots
+        )
         return self._kept(slot, flight)
 
     def _kept(self, slot: int, flight: InFlightRows) -> InFlightRows | _KeptRows:
         """``flight``, its rows kept for a recomputation where ``slot`` needs them."""
         return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
 
-    def start_aggregation(self, x_inner: torch.Tensor, slot: int, into: torch.Tensor | None = None) -> tuple[InFlightRows | _KeptRows, torch.Tensor]:
+    def start_aggregation(
+        self, x_inner: torch.Tensor, slot: int, into: torch.Tensor | None = None
+    ) -> tuple[InFlightRows | _KeptRows, torch.Tensor]:
         """:meth:`start_boundary_rows`, and while the rows travel the inner columns' product
         ``A_inner x_inner`` [n_inner, d] (with ``into``, summed into it in place). Returns
         both. A :class:`BoundaryExchange` computes the product in its own autograd node,
@@ -110,7 +116,9 @@ class EpochGraph:
         if self.replaying or not isinstance(self.exchange, BoundaryExchange):
             rows = self.start_boundary_rows(x_inner, slot)
             return rows, spmm(self.inner, x_inner) if into is None else spmm_add_(into, self.inner, x_inner)
-        flight, product = self.exchange.start_aggregating(x_inner, self.plan, slot, self.inner, into, self.traffic, slot in self.nonzero_only_slots)
+        flight, product = self.exchange.start_aggregating(
+            x_inner, self.plan, slot, self.inner, into, self.traffic, slot in self.nonzero_only_slots
+        )
         return self._kept(slot, flight), product
 
     def keep_rows(self, slots: frozenset[int]) -> None:
@@ -168,7 +176,9 @@ class ShardGraph:
         else:
             (inner_ptr, inner_idx), (bnd_ptr, bnd_idx) = _split_columns(topology)
             inner_cols, boundary_cols = (None, None) if col_scale is None else (col_scale[:n], col_scale[n:])
-            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, row_scale=row_scale, col_scale=inner_cols).to(device)
+            self.inner = Adjacency.from_csr(inner_ptr, inner_idx, n, row_scale=row_scale, col_scale=inner_cols).to(
+                device
+            )
             boundary = Adjacency.from_csr(bnd_ptr, bnd_idx, nb, row_scale=row_scale, col_scale=boundary_cols)
             self._column_nnz = boundary.t_indptr.diff()
             self.boundary = boundary.to(device)
@@ -181,9 +191,18 @@ class ShardGraph:
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor of the static adjacency (for memory accounting)."""
-        return [t for adj in (self.inner, self.boundary, self.full) if adj is not None for t in adj.tensors()] + [self._column_nnz]
+        return [t for adj in (self.inner, self.boundary, self.full) if adj is not None for t in adj.tensors()] + [
+            self._column_nnz
+        ]
 
-    def epoch(self, keep: torch.Tensor, p: float, plan: ExchangePlan, exchange: BoundaryExchange | StaleExchange, traffic: str = "features") -> EpochGraph:
+    def epoch(
+        self,
+        keep: torch.Tensor,
+        p: float,
+        plan: ExchangePlan,
+        exchange: BoundaryExchange | StaleExchange,
+        traffic: str = "features",
+    ) -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""
         if p >= 1.0:  # every column: nothing to select or rescale
             weight = torch.ones(self.full.n_cols, device=self.device) if self.full is not None else None
@@ -199,7 +218,9 @@ class ShardGraph:
                 boundary = boundary.scale_columns(scale)
         if self.full is not None:
             keep_full = torch.cat([torch.ones(self.topology.n_inner, dtype=torch.bool, device=self.device), keep])
-            full = self.full.select_columns(keep_full, (self.topology.n_inner + kept_columns, self._inner_nnz + kept_nnz))
+            full = self.full.select_columns(
+                keep_full, (self.topology.n_inner + kept_columns, self._inner_nnz + kept_nnz)
+            )
             column_weight = torch.ones(full.n_cols, device=self.device)
             column_weight[self.topology.n_inner :] = scale
         return EpochGraph(self.inner, boundary, full, column_weight, plan, exchange, traffic)

@@ -102,7 +102,9 @@ class SAGEConv(nn.Module):
             return aggregate(g, neighbour, self.slot, into=own)
         neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
         # the neighbour product is added inside the GEMM, into the self term's output: no pass of its own
-        return linear_sum(self.lin_self.bias if add_bias else None, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight))
+        return linear_sum(
+            self.lin_self.bias if add_bias else None, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight)
+        )
 
 
 class GCNConv(nn.Module):
@@ -143,7 +145,10 @@ class GCNConv(nn.Module):
         if x_agg is None and self.cheap_to_recompute:
             out = aggregate(g, *self.dense_products(x), self.slot)
             return out + self.bias if add_bias else out
-        return linear_sum(self.bias if add_bias else None, (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight))
+        return linear_sum(
+            self.bias if add_bias else None,
+            (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight),
+        )
 
 
 class GATConv(nn.Module):
@@ -188,7 +193,9 @@ class GATConv(nn.Module):
         else:
             z_boundary = g.boundary_rows(z, self.slot)
         z_all = torch.cat([z, z_boundary])
-        out = gat_aggregate(g.full, z_all, self.source_scores(z_all), self.target_scores(z), g.column_weight, self.negative_slope)
+        out = gat_aggregate(
+            g.full, z_all, self.source_scores(z_all), self.target_scores(z), g.column_weight, self.negative_slope
+        )
         return self.combine_heads(out, add_bias)
 
     def project(self, x: Tensor) -> Tensor:

@@ -129,7 +129,9 @@ class GNN(nn.Module):
             d_in = d_out
         # Recomputed for backward (--remat), an output layer that multiplies first needs only its dense
         # products: its aggregation keeps nothing, and its output goes unused (see _layer).
-        self.replay_skips_aggregation = [i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
+        self.replay_skips_aggregation = [
+            i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)
+        ]
         # A hidden layer followed by the fused layer norm + ReLU leaves its bias to that pass
         # (added as the norm reads its rows, its gradient summed as backward writes them):
         # no pass of its own each way.
@@ -153,13 +155,21 @@ class GNN(nn.Module):
         always = [0 < i < last and layer.cheap_to_recompute for i, layer in enumerate(self.layers)]
         if self.training and torch.is_grad_enabled() and g is not None:
             # a recomputed layer takes its boundary rows from here (layer i exchanges as slot i)
-            g.keep_rows(frozenset(i for i, cheap in enumerate(always) if (self.remat or cheap) and not self.replay_skips_aggregation[i]))
+            g.keep_rows(
+                frozenset(
+                    i
+                    for i, cheap in enumerate(always)
+                    if (self.remat or cheap) and not self.replay_skips_aggregation[i]
+                )
+            )
             g.nonzero_only_slots = self.nonzero_only_slots
         h = self._segment(g, self._first_layer, x, x_agg, g)
         for i in range(1, len(self.layers)):
             norm = self.norms[i - 1]
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
-                h = self._segment(g, self._layer, self._between_layers(norm, h, self.bias_before(i)), i, g, None, always=always[i])
+                h = self._segment(
+                    g, self._layer, self._between_layers(norm, h, self.bias_before(i)), i, g, None, always=always[i]
+                )
             elif self.merge_output_segment and i == last - 1 and not isinstance(self.norms[last - 1], SyncBatchNorm):
                 # the output layer joins the segment before it: its recomputation is cheap,
                 # and the segment keeps y_{L-3} instead of also y_{L-2}

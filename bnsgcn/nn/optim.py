@@ -39,11 +39,22 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 class Adam:
     """Adam with L2 weight decay (see the module)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
         self.params = list(params)
         self.group = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         self.state: dict[Tensor, dict[str, Tensor]] = {
-            p: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format), "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            p: {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
             for p in self.params
         }
         # the step counts again as numbers: the step reads no tensor (on CUDA the state's
@@ -79,7 +90,15 @@ class Adam:
 
     def state_dict(self) -> dict:
         """``torch.optim.Adam``'s layout: state by parameter index, one parameter group."""
-        group = dict(self.group) | {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None, "params": list(range(len(self.params)))}
+        group = dict(self.group) | {
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "params": list(range(len(self.params))),
+        }
         return {"state": {i: self.state[p] for i, p in enumerate(self.params)}, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -87,7 +106,9 @@ class Adam:
         parameters, in the same order); its hyperparameters win, as in ``torch.optim``."""
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
-            raise ValueError(f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in {len(groups)} groups; this model has {len(self.params)} in one")
+            raise ValueError(
+                f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in {len(groups)} groups; this model has {len(self.params)} in one"
+            )
         self.group = {k: (tuple(groups[0][k]) if k == "betas" else groups[0][k]) for k in HYPERPARAMETERS}
         for index, p in zip(groups[0]["params"], self.params):
             saved = state_dict["state"].get(index)

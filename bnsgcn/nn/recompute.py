@@ -48,7 +48,9 @@ class _Segment:
             self.args = None  # recomputed: the inputs are not needed any more
         tensor = self.saved[position]
         if tensor is None:
-            raise RuntimeError("a recomputed segment's saved tensor was unpacked twice; backward through a segment runs once (no retain_graph)")
+            raise RuntimeError(
+                "a recomputed segment's saved tensor was unpacked twice; backward through a segment runs once (no retain_graph)"
+            )
         self.saved[position] = None  # backward unpacks each once: free it as the graph frees its own
         return tensor
 
@@ -59,10 +61,18 @@ class _Segment:
             torch.set_rng_state(self.cpu_rng)
             for device, state in zip(self.cuda_devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, device)
-            with torch.enable_grad(), self.replay(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]):
+            with (
+                torch.enable_grad(),
+                self.replay(),
+                torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]
+                ),
+            ):
                 self.fn(*args)
         if [(t.shape, t.dtype) for t in saved] != self.metadata:
-            raise RuntimeError(f"a recomputed segment saved {len(saved)} tensors for backward, its forward pass {len(self.metadata)} (or other shapes): the segment is not deterministic")
+            raise RuntimeError(
+                f"a recomputed segment saved {len(saved)} tensors for backward, its forward pass {len(self.metadata)} (or other shapes): the segment is not deterministic"
+            )
         return saved
 
 

@@ -55,9 +55,13 @@ def load_part(run_dir: Path, epoch: int, rank: int) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"{path} is missing: the checkpoint of epoch {epoch} is incomplete; restore the file or pass a new --out") from None
+        raise UserError(
+            f"{path} is missing: the checkpoint of epoch {epoch} is incomplete; restore the file or pass a new --out"
+        ) from None
     except Exception as exc:  # a torn or corrupt file
-        raise UserError(f"{path} cannot be read ({exc.__class__.__name__}); restore the file or pass a new --out") from None
+        raise UserError(
+            f"{path} cannot be read ({exc.__class__.__name__}); restore the file or pass a new --out"
+        ) from None
 
 
 def _write(path: Path, state: dict) -> Path:
@@ -68,7 +72,9 @@ def _write(path: Path, state: dict) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write checkpoint {path} ({exc.strerror}); free space or pass a writable --out") from None
+        raise UserError(
+            f"cannot write checkpoint {path} ({exc.strerror}); free space or pass a writable --out"
+        ) from None
     return path
 
 
@@ -103,9 +109,13 @@ def load(path: Path, signature: dict) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"{path} is missing on this machine; every rank must see the run directory (a shared --out)") from None
+        raise UserError(
+            f"{path} is missing on this machine; every rank must see the run directory (a shared --out)"
+        ) from None
     except Exception as exc:
-        raise UserError(f"{path} cannot be read here ({exc.__class__.__name__}); every rank must see the same run directory") from None
+        raise UserError(
+            f"{path} cannot be read here ({exc.__class__.__name__}); every rank must see the same run directory"
+        ) from None
     return _checked(path, state, signature)
 
 

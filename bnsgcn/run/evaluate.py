@@ -100,7 +100,13 @@ class Evaluation:
             self.exchange.release()
 
     def _layer(
-        self, layer: torch.nn.Module, x: Tensor, graph: ShardGraph, plan: ExchangePlan, x_agg: Tensor | None = None, add_bias: bool = True
+        self,
+        layer: torch.nn.Module,
+        x: Tensor,
+        graph: ShardGraph,
+        plan: ExchangePlan,
+        x_agg: Tensor | None = None,
+        add_bias: bool = True,
     ) -> Tensor:
         """One layer, [n_inner, d_in] -> [n_inner, d_out], as the layer computes it (its bias
         left out without ``add_bias``)."""
@@ -137,7 +143,13 @@ class Evaluation:
             work, arrived = start_rows(self.comm, part, plan, EXACT, self.exchange.send_buffer, recv_buffer, CATEGORY)
             self.slices += 1
             part_row = tuple(part.shape[1:])
-            yield columns, part, lambda: finish_rows(self.comm, plan, work, arrived, self.exchange.send_buffer, EXACT, part_row, part.dtype, CATEGORY)
+            yield (
+                columns,
+                part,
+                lambda: finish_rows(
+                    self.comm, plan, work, arrived, self.exchange.send_buffer, EXACT, part_row, part.dtype, CATEGORY
+                ),
+            )
 
     def _aggregate(self, graph: ShardGraph, plan: ExchangePlan, x: Tensor, into: Tensor | None = None) -> Tensor:
         """``A x`` over inner and every boundary column, [n_inner, d] -> [n_inner, d]; with
@@ -167,7 +179,9 @@ class Evaluation:
             out[..., columns] = boundary_rows()
         return out
 
-    def _attention(self, layer: GATConv, x: Tensor, graph: ShardGraph, plan: ExchangePlan, add_bias: bool = True) -> Tensor:
+    def _attention(
+        self, layer: GATConv, x: Tensor, graph: ShardGraph, plan: ExchangePlan, add_bias: bool = True
+    ) -> Tensor:
         """A GAT layer (:class:`~bnsgcn.nn.layers.GATConv`) with every boundary column, its
         aggregation in slices of each head's columns."""
         z = layer.project(x)

@@ -124,7 +124,11 @@ def run(config: TrainConfig) -> dict:
                 raise
             raise PeerLost(peer_lost_message(exc, comm.who_stopped())) from exc
         if not isinstance(exc, JobStopped):  # this rank is the cause: tell the others
-            comm.report_failure(str(exc).strip().splitlines()[0] if isinstance(exc, UserError) else f"{type(exc).__name__}: {first_sentence(exc)}")
+            comm.report_failure(
+                str(exc).strip().splitlines()[0]
+                if isinstance(exc, UserError)
+                else f"{type(exc).__name__}: {first_sentence(exc)}"
+            )
         raise
     comm.close()
     return summary
@@ -159,7 +163,15 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
     return Path(run_dir)
 
 
-def _graph_inputs(config: TrainConfig, comm: Comm, shard: Shard, topology: Topology, features: Tensor, labels: Tensor, train_mask: Tensor) -> GraphInputs:
+def _graph_inputs(
+    config: TrainConfig,
+    comm: Comm,
+    shard: Shard,
+    topology: Topology,
+    features: Tensor,
+    labels: Tensor,
+    train_mask: Tensor,
+) -> GraphInputs:
     graph = ShardGraph(topology, config.model, comm.device)
     planner = make_planner(comm, topology, config.exchange)
     x_agg = None
@@ -188,7 +200,9 @@ def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInp
 def _loss_sum(logits: Tensor, labels: Tensor, rows: Tensor, multilabel: bool) -> Tensor:
     """The loss summed over the rows ``rows`` of ``logits`` (the training nodes)."""
     if multilabel:
-        return F.binary_cross_entropy_with_logits(logits.index_select(0, rows), labels.index_select(0, rows), reduction="sum")
+        return F.binary_cross_entropy_with_logits(
+            logits.index_select(0, rows), labels.index_select(0, rows), reduction="sum"
+        )
     return cross_entropy_rows(logits, rows, labels.index_select(0, rows))
 
 
@@ -204,7 +218,9 @@ def _score_counts(logits: Tensor, shard: Shard) -> Tensor:
     else:
         hit = logits.argmax(1) == shard.labels
         for mask in (shard.train_mask, shard.val_mask, shard.test_mask):
-            rows.append(torch.stack([(hit & mask).sum(), mask.sum(), torch.zeros((), dtype=torch.int64, device=logits.device)]))
+            rows.append(
+                torch.stack([(hit & mask).sum(), mask.sum(), torch.zeros((), dtype=torch.int64, device=logits.device)])
+            )
     return torch.stack(rows).to(torch.float64)
 
 
@@ -339,7 +355,9 @@ def _compile_kernels(comm: Comm) -> None:
         comm.store.wait(keys, timedelta(seconds=KERNEL_COMPILE_TIMEOUT_S))
     except Exception:  # timed out (or the store is gone): name the machines' ranks not ready
         silent = [f"rank {leaders[n]}" for n, key in enumerate(keys) if not comm.store.check([key])]
-        raise PeerLost(f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within {KERNEL_COMPILE_TIMEOUT_S:.0f} s") from None
+        raise PeerLost(
+            f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within {KERNEL_COMPILE_TIMEOUT_S:.0f} s"
+        ) from None
     for node, key in enumerate(keys):
         if (outcome := comm.store.get(key).decode()) != "ready":
             raise PeerLost(f"rank {comm.rank}: rank {leaders[node]} failed: {outcome}")
@@ -371,10 +389,18 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     _compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
-    config = replace(config, exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.nonzero_rows, comm))
-    pool = WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify) if config.work_pool else None
+    config = replace(
+        config, exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.nonzero_rows, comm)
+    )
+    pool = (
+        WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify)
+        if config.work_pool
+        else None
+    )
     # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
-    shard = (pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)).to(comm.device)
+    shard = (
+        pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)
+    ).to(comm.device)
     topo = shard.topology
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
     train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
@@ -386,7 +412,15 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
-        comm.rank, topo.n_inner, topo.n_boundary, topo.nnz, comm.device, comm.backend, comm.node, comm.nodes.count, config.exchange,
+        comm.rank,
+        topo.n_inner,
+        topo.n_boundary,
+        topo.nnz,
+        comm.device,
+        comm.backend,
+        comm.node,
+        comm.nodes.count,
+        config.exchange,
     )
     torch.manual_seed(config.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
@@ -406,9 +440,29 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         model=model,
         optimizer=optimizer,
         sync=(
-            make_pool_sync(parse_sync(config.sync), comm, model, optimizer, local_train, global_train, config.seed, log, pool.num_parts)
+            make_pool_sync(
+                parse_sync(config.sync),
+                comm,
+                model,
+                optimizer,
+                local_train,
+                global_train,
+                config.seed,
+                log,
+                pool.num_parts,
+            )
             if pool
-            else make_sync(parse_sync(config.sync), comm, model, optimizer, config.bucket_bytes, local_train, global_train, config.seed, log)
+            else make_sync(
+                parse_sync(config.sync),
+                comm,
+                model,
+                optimizer,
+                config.bucket_bytes,
+                local_train,
+                global_train,
+                config.seed,
+                log,
+            )
         ),
         delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
         exchange=exchange,
@@ -416,7 +470,11 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.exchange.bounded_lag)
         stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
         pool=pool,
-        signature={"partition_set": set_id(shard.manifest), "dataset": shard.manifest["dataset"]["name"], **config.model_signature()},
+        signature={
+            "partition_set": set_id(shard.manifest),
+            "dataset": shard.manifest["dataset"]["name"],
+            **config.model_signature(),
+        },
         baseline_rss=baseline_rss,
         buffers=BufferPool() if comm.device.type == "cpu" else None,
     )
@@ -444,9 +502,17 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
     if job.comm.rank != 0:
         return None
     comm = job.comm
-    layout = {"world_size": comm.world_size, "nodes": comm.nodes.count, "ranks_per_node": [len(m) for m in comm.nodes.members], "launch": launch_info()}
+    layout = {
+        "world_size": comm.world_size,
+        "nodes": comm.nodes.count,
+        "ranks_per_node": [len(m) for m in comm.nodes.members],
+        "launch": launch_info(),
+    }
     (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
-    return MetricsWriter([job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []), keep_epochs=start_epoch)
+    return MetricsWriter(
+        [job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []),
+        keep_epochs=start_epoch,
+    )
 
 
 class _Samples:
@@ -486,7 +552,12 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
         g = inputs.graph.epoch(keep, config.p, plan, LocalExchange() if config.p == 0 else job.stale or job.exchange)
     job.model.train()
     seed_step(derive_seed(config.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
-    resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers(), *(job.stale.buffers() if job.stale else [])]  # noqa: E731 (held anyway)
+    resident = lambda: [
+        inputs.features,
+        inputs.x_agg,
+        *job.exchange.buffers(),
+        *(job.stale.buffers() if job.stale else []),
+    ]  # noqa: E731 (held anyway)
     with account.timed("forward"), account.saved_tensors(resident):
         logits = job.model(inputs.features, g, inputs.x_agg)
         account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
@@ -550,7 +621,9 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     account.values.update(loss_sum=loss_sum, sampled_boundary=0, steps=steps)
 
 
-def _write_epoch(job: Job, metrics: MetricsWriter | None, epoch: int, loss: float, table: Tensor, scores: dict[str, float] | None) -> None:
+def _write_epoch(
+    job: Job, metrics: MetricsWriter | None, epoch: int, loss: float, table: Tensor, scores: dict[str, float] | None
+) -> None:
     """Rank 0: the epoch's JSON line, and a log line when it was evaluated."""
     if metrics is None:
         return
@@ -559,7 +632,12 @@ def _write_epoch(job: Job, metrics: MetricsWriter | None, epoch: int, loss: floa
     if scores is not None:
         job.log.info(
             "epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)",
-            record["epoch"], record["loss"], scores["train_score"], scores["val_score"], scores["test_score"], record["time"]["epoch"],
+            record["epoch"],
+            record["loss"],
+            scores["train_score"],
+            scores["val_score"],
+            scores["test_score"],
+            record["time"]["epoch"],
         )
 
 
@@ -585,10 +663,17 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
         return  # no barrier either: with a decoupled --sync, ranks meet only at sync points
     if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
         job.stale.drain()
-        checkpoint.save_part(job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()})
+        checkpoint.save_part(
+            job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()}
+        )
         comm.barrier()
     if comm.rank == 0:
-        state = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(), "best": dict(vars(best)), "signature": job.signature}
+        state = {
+            "model": job.model.state_dict(),
+            "optimizer": job.optimizer.state_dict(),
+            "best": dict(vars(best)),
+            "signature": job.signature,
+        }
         checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
@@ -601,32 +686,73 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     topo = shard.topology
     train, evaluate = job.train_inputs, job.eval_inputs
     holder_bytes = memory.holders(
-        partition=[shard.features, shard.labels, shard.train_mask, shard.val_mask, shard.test_mask, topo.indptr, topo.indices, topo.degree, topo.send_nodes],
+        partition=[
+            shard.features,
+            shard.labels,
+            shard.train_mask,
+            shard.val_mask,
+            shard.test_mask,
+            topo.indptr,
+            topo.indices,
+            topo.degree,
+            topo.send_nodes,
+        ],
         precomputed=[evaluate.x_agg, train.x_agg, *(job.pool.precomputed_tensors() if job.pool else [])],
-        adjacency=evaluate.graph.tensors() + (train.graph.tensors() if train is not evaluate else []) + (job.pool.adjacency_tensors() if job.pool else []),
-        exchange_buffer_bytes=job.exchange.largest_bytes() + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
+        adjacency=evaluate.graph.tensors()
+        + (train.graph.tensors() if train is not evaluate else [])
+        + (job.pool.adjacency_tensors() if job.pool else []),
+        exchange_buffer_bytes=job.exchange.largest_bytes()
+        + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
         evaluation_buffer_bytes=job.evaluation.largest_bytes(),
         activation_buffer_bytes=job.buffers.largest_bytes if job.buffers is not None else 0,
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
         optimizer_state=memory.optimizer_state_tensors(job.optimizer),
     )
-    figures = comm.all_gather_object(static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss))
+    figures = comm.all_gather_object(
+        static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss)
+    )
     steps = torch.stack(tables)[:, :, INDEX["steps"]].sum(0).tolist() if tables else [0.0] * comm.world_size
-    figures = [f | {"steps_total": int(n)} for f, n in zip(figures, steps)]  # optimizer steps each rank took in this run
-    summary = {"summary": True, "epochs": config.epochs, "final_loss": last_loss, "best_val_score": best.val_score, "best_epoch": best.epoch, "test_score": best.test_score, "run_dir": str(job.run_dir)}
+    figures = [
+        f | {"steps_total": int(n)} for f, n in zip(figures, steps)
+    ]  # optimizer steps each rank took in this run
+    summary = {
+        "summary": True,
+        "epochs": config.epochs,
+        "final_loss": last_loss,
+        "best_val_score": best.val_score,
+        "best_epoch": best.epoch,
+        "test_score": best.test_score,
+        "run_dir": str(job.run_dir),
+    }
     if metrics is not None:
-        per_epoch, steady = report.steady_state(tables, COLUMNS) if tables else ([dict.fromkeys(COLUMNS, 0.0)] * comm.world_size, None)
-        info = {"config": job.resolved.to_json(), "world_size": comm.world_size, "epochs": len(tables), "launch": launch_info(), "steady_state": steady}
+        per_epoch, steady = (
+            report.steady_state(tables, COLUMNS) if tables else ([dict.fromkeys(COLUMNS, 0.0)] * comm.world_size, None)
+        )
+        info = {
+            "config": job.resolved.to_json(),
+            "world_size": comm.world_size,
+            "epochs": len(tables),
+            "launch": launch_info(),
+            "steady_state": steady,
+        }
         report.write(job.run_dir, report.build(figures, per_epoch, info))
         if best.state is not None:
             torch.save(best.state, job.run_dir / "best_model.pt")
         metrics.write(summary)
         metrics.close()
-        job.log.info("best val %.4f at epoch %d, test %.4f; run directory %s", best.val_score, best.epoch, best.test_score, job.run_dir)
+        job.log.info(
+            "best val %.4f at epoch %d, test %.4f; run directory %s",
+            best.val_score,
+            best.epoch,
+            best.test_score,
+            job.run_dir,
+        )
     return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
 
 
-def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: StaleExchange | LagExchange | None) -> tuple[dict | None, dict | None]:
+def _load_checkpoint(
+    config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: StaleExchange | LagExchange | None
+) -> tuple[dict | None, dict | None]:
     """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
     staleness, its own part: written by :mod:`bnsgcn.exchange.bounded_lag` for a :class:`LagExchange`), or
     every rank stops with the first rank's error."""
@@ -650,10 +776,20 @@ def _load_checkpoint(config: TrainConfig, comm: Comm, run_dir: Path, signature: 
             p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
             path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
             if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
-                raise UserError(f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out")
-            if ("lag" in stale_state) != isinstance(stale, LagExchange):  # the two exchanges hold their rows differently
-                flags = ("--max-lag", "add --max-lag (any S)") if "lag" in stale_state else ("no --max-lag", "drop --max-lag")
-                raise UserError(f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out")
+                raise UserError(
+                    f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out"
+                )
+            if ("lag" in stale_state) != isinstance(
+                stale, LagExchange
+            ):  # the two exchanges hold their rows differently
+                flags = (
+                    ("--max-lag", "add --max-lag (any S)")
+                    if "lag" in stale_state
+                    else ("no --max-lag", "drop --max-lag")
+                )
+                raise UserError(
+                    f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out"
+                )
     except UserError as exc:
         error = f"rank {comm.rank}: {exc}"
     errors = [e for e in comm.all_gather_object(error) if e]

@@ -115,7 +115,15 @@ class Decoupled(ParameterSync):
     decoupled = True
 
     def __init__(
-        self, comm: Comm, model: nn.Module, optimizer: Adam, mode: SyncMode, local_train: int, global_train: int, seed: int, log: logging.Logger
+        self,
+        comm: Comm,
+        model: nn.Module,
+        optimizer: Adam,
+        mode: SyncMode,
+        local_train: int,
+        global_train: int,
+        seed: int,
+        log: logging.Logger,
     ) -> None:
         super().__init__()
         self.comm, self.mode, self.log, self.optimizer = comm, mode, log, optimizer
@@ -166,11 +174,18 @@ class Decoupled(ParameterSync):
     def _lost(self, what: str) -> PeerLost:
         """A wait on other ranks ran past --timeout: name the rank that stopped, if known."""
         cause = self.comm.who_stopped()
-        return PeerLost(peer_lost_message(TimeoutError(f"rank {self.comm.rank}: {what} took longer than --timeout {self.comm.timeout:g} s"), cause))
+        return PeerLost(
+            peer_lost_message(
+                TimeoutError(f"rank {self.comm.rank}: {what} took longer than --timeout {self.comm.timeout:g} s"), cause
+            )
+        )
 
     # parameters through the store: [rank: int32][weight: float64][float32 ...]
     def _publish(self, key: str, grads: bool = False) -> None:
-        blob = struct.pack("<id", self.comm.rank, self.weight()) + self.flat(grads).to(torch.float32).cpu().numpy().tobytes()
+        blob = (
+            struct.pack("<id", self.comm.rank, self.weight())
+            + self.flat(grads).to(torch.float32).cpu().numpy().tobytes()
+        )
         self.comm.store.set(key, blob)
         self.comm.stats.sent["reduction"] += len(blob)
 
@@ -189,7 +204,9 @@ class Decoupled(ParameterSync):
     def _load_mean(self, keys: list[str], grads: bool = False) -> None:
         """Load the mean of the blobs at ``keys`` (present) weighted by their ranks'
         :meth:`weight`, summed in rank order in float64."""
-        blobs = sorted((*struct.unpack("<id", b[:12]), b[12:]) for b in self.comm.store.multi_get(keys))  # one round trip
+        blobs = sorted(
+            (*struct.unpack("<id", b[:12]), b[12:]) for b in self.comm.store.multi_get(keys)
+        )  # one round trip
         self.comm.stats.received["reduction"] += sum(len(b) + 12 for *_, b in blobs)
         weights = _weights([w for _, w, _ in blobs])
         total = np.zeros(len(blobs[0][2]) // 4, dtype=np.float64)
@@ -220,7 +237,10 @@ class Grouped(Decoupled):
     def _sum_grads(self, extra: tuple[float, ...] = ()) -> list[float]:
         """Sum the gradients, and ``extra`` numbers, over the group (every rank in the
         warm-up) in one flat all-reduce; returns the summed ``extra``."""
-        grads = torch.cat([_grad(p).reshape(-1) for p in self.params] + [torch.tensor(extra, dtype=self.params[0].dtype, device=self.params[0].device)])
+        grads = torch.cat(
+            [_grad(p).reshape(-1) for p in self.params]
+            + [torch.tensor(extra, dtype=self.params[0].dtype, device=self.params[0].device)]
+        )
         if len(self.members) > 1:
             try:
                 dist.all_reduce(grads, group=self.group)
@@ -262,7 +282,9 @@ class Grouped(Decoupled):
         self.group_train = sum(gathered[r][1] for r in self.members)
         self.scale = _scale(self.global_train, self.group_train)
         if self.comm.rank == 0:  # every rank decided the same
-            self.log.info("speed groups %s from the warm-up step's busy seconds %s", groups, [round(g[0], 3) for g in gathered])
+            self.log.info(
+                "speed groups %s from the warm-up step's busy seconds %s", groups, [round(g[0], 3) for g in gathered]
+            )
 
     def _leaders_average(self) -> None:
         """The leaders' sync step: the group leaders average their state and their groups'
@@ -316,7 +338,14 @@ class Gossip(Decoupled):
     def pair(self, step: int) -> int | None:
         """This rank's partner for the gossip round after ``step`` (:func:`find_partner`)."""
         try:
-            return find_partner(self.comm.store, self.comm.rank, self.comm.world_size, f"sync/gossip/{step}/", random.Random(f"gossip/{self.seed}/{self.comm.rank}/{step}"), self.comm.timeout)
+            return find_partner(
+                self.comm.store,
+                self.comm.rank,
+                self.comm.world_size,
+                f"sync/gossip/{step}/",
+                random.Random(f"gossip/{self.seed}/{self.comm.rank}/{step}"),
+                self.comm.timeout,
+            )
         except TimeoutError as exc:
             raise self._lost(f"finding a gossip partner after step {step + 1}") from exc
 
@@ -416,7 +445,15 @@ def _scale_grads(params: list[nn.Parameter], scale: float) -> None:
 
 
 def make_sync(
-    mode: SyncMode, comm: Comm, model, optimizer: Adam, bucket_bytes: int, local_train: int, global_train: int, seed: int, log: logging.Logger
+    mode: SyncMode,
+    comm: Comm,
+    model,
+    optimizer: Adam,
+    bucket_bytes: int,
+    local_train: int,
+    global_train: int,
+    seed: int,
+    log: logging.Logger,
 ) -> ParameterSync:
     """The job's parameter sync. ``allreduce`` builds the gradient reducer exactly as before
     (its hooks are registered only then: decoupled modes must not sum over every rank)."""
@@ -430,7 +467,9 @@ class LocalExchange:
     """The boundary exchange at p = 0: no boundary row is sampled, so none travels and no
     collective runs per layer (an all-to-all of empty rows would still be a barrier)."""
 
-    def start(self, x_inner: Tensor, plan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False) -> _NoRows:
+    def start(
+        self, x_inner: Tensor, plan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False
+    ) -> _NoRows:
         return _NoRows(x_inner)
 
     def buffers(self) -> list:
@@ -473,4 +512,3 @@ class EpochTables:
         stacked = self.comm.all_reduce(stacked.to(self.comm.device, non_blocking=True)).cpu()
         self.pending = []
         return list(zip(epochs, stacked.unbind(0)))
-

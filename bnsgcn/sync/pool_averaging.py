@@ -233,7 +233,9 @@ class PoolGossip(PoolSync, Decoupled):
             time.sleep(POLL_S)
 
 
-def make_pool_sync(mode, comm, model, optimizer, local_train: int, global_train: int, seed: int, log, num_parts: int) -> Decoupled:
+def make_pool_sync(
+    mode, comm, model, optimizer, local_train: int, global_train: int, seed: int, log, num_parts: int
+) -> Decoupled:
     """The sync of a pool job, for ``--sync`` ``mode`` (see the module)."""
     args = (comm, model, optimizer, mode, local_train, global_train, seed, log)
     if mode.kind == "allreduce":

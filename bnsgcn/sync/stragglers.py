@@ -37,11 +37,15 @@ def parse_delays(spec: str | None) -> dict[int, tuple[float, float]]:
             rank, low = int(rank_text), float(low_text)
             high = float(high_text) if dash else low
         except ValueError:
-            raise UserError(f"--inject-delay entry {entry!r} is not R:S or R:LO-HI; pass e.g. --inject-delay 0:0.8,3:0.4-0.45") from None
+            raise UserError(
+                f"--inject-delay entry {entry!r} is not R:S or R:LO-HI; pass e.g. --inject-delay 0:0.8,3:0.4-0.45"
+            ) from None
         if rank < 0:
             raise UserError(f"--inject-delay entry {entry!r} names rank {rank}; ranks are 0 or more")
         if not (0.0 <= low <= high < float("inf")):
-            raise UserError(f"--inject-delay entry {entry!r} needs 0 <= LO <= HI seconds (finite); pass e.g. {rank}:0.4-0.45")
+            raise UserError(
+                f"--inject-delay entry {entry!r} needs 0 <= LO <= HI seconds (finite); pass e.g. {rank}:0.4-0.45"
+            )
         if rank in delays:
             raise UserError(f"--inject-delay names rank {rank} twice; give each rank one entry")
         delays[rank] = (low, high)
@@ -82,14 +86,18 @@ def parse_sync(spec: str) -> SyncMode:
     except ValueError:
         values = []
     if not 1 <= len(values) <= allowed or any(v < 1 for v in values) or len(values) != len(numbers):
-        raise UserError(f"--sync {spec!r} needs positive integers: {kind}:{'G[:N]' if kind == 'grouped' else 'P' if kind == 'partial' else 'K'}; {usage}")
+        raise UserError(
+            f"--sync {spec!r} needs positive integers: {kind}:{'G[:N]' if kind == 'grouped' else 'P' if kind == 'partial' else 'K'}; {usage}"
+        )
     return SyncMode(kind, values[0], values[1] if len(values) > 1 else DEFAULT_GROUPS)
 
 
 def check_config(p: float, staleness: int, sync: SyncMode, norm: str) -> None:
     """What a decoupled sync needs, in one line: ranks must not wait on each other every layer."""
     if sync.decoupled and norm == "batch":
-        raise UserError(f"--sync {sync.kind} lets ranks run apart, but --norm batch sums statistics over every rank in every layer; use --norm layer or none, or --sync allreduce")
+        raise UserError(
+            f"--sync {sync.kind} lets ranks run apart, but --norm batch sums statistics over every rank in every layer; use --norm layer or none, or --sync allreduce"
+        )
     if sync.decoupled and p > 0.0 and staleness == 0:
         raise UserError(
             f"--sync {sync.kind} only helps when ranks do not exchange boundary rows every layer, but --p is {p:g} with "
@@ -100,11 +108,17 @@ def check_config(p: float, staleness: int, sync: SyncMode, norm: str) -> None:
 def check_work_pool(p: float, staleness: int, norm: str, inductive: bool) -> None:
     """What ``--work-pool`` needs, in one line: partitions trained on their own."""
     if p != 0.0:
-        raise UserError(f"--work-pool trains each partition on its own subgraph (boundary nodes dropped), but --p is {p:g}; pass --p 0")
+        raise UserError(
+            f"--work-pool trains each partition on its own subgraph (boundary nodes dropped), but --p is {p:g}; pass --p 0"
+        )
     if staleness:
-        raise UserError("--work-pool exchanges no boundary rows, so --staleness 1 has nothing to delay; drop --staleness")
+        raise UserError(
+            "--work-pool exchanges no boundary rows, so --staleness 1 has nothing to delay; drop --staleness"
+        )
     if norm == "batch":
-        raise UserError("--work-pool lets ranks take different numbers of steps, but --norm batch sums statistics over every rank in every layer; use --norm layer or none")
+        raise UserError(
+            "--work-pool lets ranks take different numbers of steps, but --norm batch sums statistics over every rank in every layer; use --norm layer or none"
+        )
     if inductive:
         raise UserError("--work-pool does not support --inductive; drop one of them")
 
@@ -113,11 +127,17 @@ def check_world(delays: dict[int, tuple[float, float]], sync: SyncMode, world_si
     """The checks that need the number of ranks (the launcher's, and every rank's)."""
     beyond = sorted(r for r in delays if r >= world_size)
     if beyond:
-        raise UserError(f"--inject-delay names rank {beyond[0]}, but the job has {world_size} ranks (0 to {world_size - 1})")
+        raise UserError(
+            f"--inject-delay names rank {beyond[0]}, but the job has {world_size} ranks (0 to {world_size - 1})"
+        )
     if sync.kind == "partial" and sync.every > world_size:
-        raise UserError(f"--sync partial:{sync.every} averages {sync.every} ranks per round, but the job has {world_size}; pass P <= {world_size}")
+        raise UserError(
+            f"--sync partial:{sync.every} averages {sync.every} ranks per round, but the job has {world_size}; pass P <= {world_size}"
+        )
     if sync.kind == "grouped" and sync.groups > world_size:
-        raise UserError(f"--sync grouped:{sync.every}:{sync.groups} asks for {sync.groups} groups of {world_size} ranks; pass N <= {world_size}")
+        raise UserError(
+            f"--sync grouped:{sync.every}:{sync.groups} asks for {sync.groups} groups of {world_size} ranks; pass N <= {world_size}"
+        )
 
 
 def check_flags(config, world_size: int) -> None:

@@ -76,12 +76,22 @@ class WorkPool:
     """The job's pool of partitions (see the module): every rank loads every partition
     (memory-mapped) and builds a partition's inputs the first time it takes it."""
 
-    def __init__(self, comm: Comm, parts_dir: Path, model: str, precompute: bool, seed: int, verify: bool = False) -> None:
-        self.comm, self.parts_dir, self.model, self.precompute, self.seed = comm, Path(parts_dir), model, precompute, seed
+    def __init__(
+        self, comm: Comm, parts_dir: Path, model: str, precompute: bool, seed: int, verify: bool = False
+    ) -> None:
+        self.comm, self.parts_dir, self.model, self.precompute, self.seed = (
+            comm,
+            Path(parts_dir),
+            model,
+            precompute,
+            seed,
+        )
         first = load_shard(parts_dir, 0, None, verify=verify)
         self.num_parts = first.num_parts
         check_pool_size(self.num_parts, comm.world_size, parts_dir)
-        self.shards = [first] + [load_shard(parts_dir, k, self.num_parts, verify=verify) for k in range(1, self.num_parts)]
+        self.shards = [first] + [
+            load_shard(parts_dir, k, self.num_parts, verify=verify) for k in range(1, self.num_parts)
+        ]
         self._inputs: dict[int, PartInputs] = {}
         self._order: tuple[int, list[int]] | None = None
         self.taken: dict[int, list[int]] = {}  # epoch -> the partitions this rank took
@@ -124,13 +134,21 @@ class WorkPool:
             if count:
                 owner = self.shards[q]
                 start = sum(owner.topology.send_counts[:part])
-                blocks.append(owner.features[owner.topology.send_nodes[start : start + owner.topology.send_counts[part]]])
+                blocks.append(
+                    owner.features[owner.topology.send_nodes[start : start + owner.topology.send_counts[part]]]
+                )
         features = self.shards[part].features
         return torch.cat(blocks) if blocks else features.new_zeros((0, features.shape[1]))
 
     def adjacency_tensors(self) -> list[Tensor | None]:
         """The graphs of the partitions built so far (for memory accounting)."""
-        return [t for i in self._inputs.values() for adj in (i.graph.inner, i.graph.boundary, i.graph.full) if adj is not None for t in adj.tensors()]
+        return [
+            t
+            for i in self._inputs.values()
+            for adj in (i.graph.inner, i.graph.boundary, i.graph.full)
+            if adj is not None
+            for t in adj.tensors()
+        ]
 
     def precomputed_tensors(self) -> list[Tensor | None]:
         return [i.x_agg for i in self._inputs.values()]
@@ -145,7 +163,9 @@ class WorkPool:
         return merge_partitions(self.shards, ids, rank, world)
 
 
-def merge_partitions(shards: list[Shard], ids: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, world: int) -> Shard:
+def merge_partitions(
+    shards: list[Shard], ids: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, world: int
+) -> Shard:
     """The union of the partitions ``k mod world = rank`` of a ``K``-part set, as the shard
     of rank ``rank`` in a ``world``-rank job (columns: the parts' inner nodes in part order,
     then boundary nodes grouped by owner *rank*, ascending global id within an owner, the
@@ -174,7 +194,9 @@ def merge_partitions(shards: list[Shard], ids: dict[int, tuple[np.ndarray, np.nd
     boundary_counts = np.bincount((keys >> 40).astype(np.int64), minlength=world).tolist()
     n_boundary = len(keys)
     if n_inner + n_boundary >= 2**31:
-        raise UserError(f"rank {rank}'s union of partitions has {n_inner + n_boundary} columns, beyond int32 indices; use fewer parts per rank (more ranks)")
+        raise UserError(
+            f"rank {rank}'s union of partitions has {n_inner + n_boundary} columns, beyond int32 indices; use fewer parts per rank (more ranks)"
+        )
 
     indptr, indices, degree_boundary = [np.zeros(1, np.int64)], [], np.zeros(n_boundary, np.float32)
     for k in mine:
@@ -218,14 +240,22 @@ def merge_partitions(shards: list[Shard], ids: dict[int, tuple[np.ndarray, np.nd
         n_inner=n_inner,
         indptr=torch.from_numpy(indptr),
         indices=torch.from_numpy(indices),
-        degree=torch.cat([*(s.topology.degree[: s.topology.n_inner] for s in parts), torch.from_numpy(degree_boundary)]),
+        degree=torch.cat(
+            [*(s.topology.degree[: s.topology.n_inner] for s in parts), torch.from_numpy(degree_boundary)]
+        ),
         boundary_counts=boundary_counts,
         send_nodes=torch.from_numpy(np.concatenate(send_nodes) if send_nodes else np.zeros(0, np.int64)),
         send_counts=send_counts,
     )
     cat = lambda name: torch.cat([getattr(s, name) for s in parts])  # noqa: E731
     return Shard(
-        part=rank, num_parts=world, manifest=shards[0].manifest, topology=topology,
-        features=cat("features"), labels=cat("labels"), train_mask=cat("train_mask"), val_mask=cat("val_mask"), test_mask=cat("test_mask"),
+        part=rank,
+        num_parts=world,
+        manifest=shards[0].manifest,
+        topology=topology,
+        features=cat("features"),
+        labels=cat("labels"),
+        train_mask=cat("train_mask"),
+        val_mask=cat("val_mask"),
+        test_mask=cat("test_mask"),
     )
-

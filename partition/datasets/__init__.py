@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from bnsgcn.partition.graph import Graph, canonical_csr
 
 from bnsgcn.errors import UserError
 from bnsgcn.metrics.progress import step
+from bnsgcn.partition.graph import Graph, canonical_csr
 
 DEFAULT_DATA_DIR = Path("data")
 PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
@@ -86,67 +86,87 @@ def find_dataset_dir(
     )
 
 
-def read_split_masks(num_nodes: int, splits: dict[str, np.ndarray], source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_split_masks(
+    num_nodes: int, splits: dict[str, np.ndarray], source: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Boolean masks [N] from the node-index arrays ``splits['train'|'val'|'test']``."""
     masks = []
     for split in ("train", "val", "test"):
         index = np.asarray(splits[split]).reshape(-1)
         if index.size and (not np.issubdtype(index.dtype, np.integer) or index.min() < 0 or index.max() >= num_nodes):
-            raise UserError(f"{source}: the {split} split holds node ids outside [0, {num_nodes}); use the split files that came with the dataset")
+            raise UserError(
+                f"{source}: the {split} split holds node ids outside [0, {num_nodes}); use the split files that came with the dataset"
+            )
         mask = np.zeros(num_nodes, dtype=bool)
         mask[index] = True
         masks.append(mask)
     return masks[0], masks[1], masks[2]
 
 
-def random_split_masks(num_nodes: int, train: float, val: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def random_split_masks(
+    num_nodes: int, train: float, val: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A random train/val/test split: fractions ``train`` and ``val`` of the nodes, the rest test (bool [N] each)."""
     order = rng.permutation(num_nodes)
     n_train = max(1, int(round(train * num_nodes)))
     n_val = int(round(val * num_nodes))
     masks = np.zeros((3, num_nodes), dtype=bool)
     masks[0, order[:n_train]] = True
-    masks[1, order[n_train:n_train + n_val]] = True
-    masks[2, order[n_train + n_val:]] = True
+    masks[1, order[n_train : n_train + n_val]] = True
+    masks[2, order[n_train + n_val :]] = True
     return masks[0], masks[1], masks[2]
 
 
 def check_features(features: np.ndarray, num_nodes: int, source: str) -> np.ndarray:
     """``features`` as C-contiguous float32 [N, F]; UserError on a wrong shape or NaN/inf."""
     if features.ndim != 2 or features.shape[0] != num_nodes:
-        raise UserError(f"{source}: features have shape {features.shape}, expected [{num_nodes}, F]; the file does not match the graph")
+        raise UserError(
+            f"{source}: features have shape {features.shape}, expected [{num_nodes}, F]; the file does not match the graph"
+        )
     if not (np.issubdtype(features.dtype, np.number) or features.dtype == np.bool_) or np.iscomplexobj(features):
-        raise UserError(f"{source}: features have dtype {features.dtype}, expected real numbers; re-export them as float32")
+        raise UserError(
+            f"{source}: features have dtype {features.dtype}, expected real numbers; re-export them as float32"
+        )
     features = np.ascontiguousarray(features, dtype=np.float32)
     # Row blocks keep the temporary boolean array small on large feature matrices.
     rows = max(1, (1 << 24) // max(1, features.shape[1]))
     for start in range(0, num_nodes, rows):
-        block = features[start:start + rows]
+        block = features[start : start + rows]
         finite = np.isfinite(block)
         if not finite.all():
             node = start + int(np.argwhere(~finite)[0, 0])
-            raise UserError(f"{source}: features contain NaN or infinite values (first at node {node}); clean the features (fill or drop those values) and try again")
+            raise UserError(
+                f"{source}: features contain NaN or infinite values (first at node {node}); clean the features (fill or drop those values) and try again"
+            )
     return features
 
 
 def _check_labels(labels: np.ndarray, num_nodes: int, num_classes: int, multilabel: bool, source: str) -> np.ndarray:
     expected = f"[{num_nodes}, {num_classes}]" if multilabel else f"[{num_nodes}]"
     if labels.shape != ((num_nodes, num_classes) if multilabel else (num_nodes,)):
-        raise UserError(f"{source}: labels have shape {labels.shape}, expected {expected}; the file does not match the graph")
+        raise UserError(
+            f"{source}: labels have shape {labels.shape}, expected {expected}; the file does not match the graph"
+        )
     if labels.size and not np.issubdtype(labels.dtype, np.integer) and not np.issubdtype(labels.dtype, np.bool_):
         if not np.issubdtype(labels.dtype, np.floating) or not np.all(labels == np.round(labels)):
-            raise UserError(f"{source}: labels have dtype {labels.dtype} with non-integer values; labels must be class ids")
+            raise UserError(
+                f"{source}: labels have dtype {labels.dtype} with non-integer values; labels must be class ids"
+            )
     if multilabel:
         if labels.size and (labels.min() < 0 or labels.max() > 1):
             raise UserError(f"{source}: multi-label targets must be 0 or 1; fix the label file")
         return np.ascontiguousarray(labels, dtype=np.uint8)
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
-        raise UserError(f"{source}: label {labels[bad]} of node {bad} is outside [0, {num_classes}); fix the labels or the class count")
+        raise UserError(
+            f"{source}: label {labels[bad]} of node {bad} is outside [0, {num_classes}); fix the labels or the class count"
+        )
     return np.ascontiguousarray(labels, dtype=np.int64)
 
 
-def _check_masks(masks: tuple[np.ndarray, np.ndarray, np.ndarray], num_nodes: int, source: str) -> tuple[np.ndarray, ...]:
+def _check_masks(
+    masks: tuple[np.ndarray, np.ndarray, np.ndarray], num_nodes: int, source: str
+) -> tuple[np.ndarray, ...]:
     checked = []
     for split, mask in zip(("train", "val", "test"), masks):
         if mask.shape != (num_nodes,) or mask.dtype != np.bool_:
@@ -193,7 +213,9 @@ def build_graph(
     if src.shape != dst.shape:
         raise UserError(f"{source}: edge sources and destinations differ in length; the edge file is damaged")
     if src.size and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_nodes):
-        raise UserError(f"{source}: edges refer to nodes outside [0, {num_nodes}); the edge file does not match the node files")
+        raise UserError(
+            f"{source}: edges refer to nodes outside [0, {num_nodes}); the edge file does not match the node files"
+        )
     with progress.step(f"canonicalising {src.size:,} edges"):
         indptr, indices, was_directed = canonical_csr(src, dst, num_nodes)
     return Graph(

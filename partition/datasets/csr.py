@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from bnsgcn.partition.graph import Graph, _sorted_unique
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph, _sorted_unique
 
 from . import (
     DatasetSource,
@@ -72,8 +72,10 @@ def locate_csr(directory: Path, data_dir: Path | None) -> DatasetSource:
         directory = Path(data_dir) / directory
     missing = [name for name in (META, *(f"{a}.npy" for a in ARRAYS)) if not (directory / name).is_file()]
     if missing:
-        raise UserError(f"csr: {directory} lacks {', '.join(missing)}; write the directory layout of docs/datasets.md "
-                        "(e.g. with benchmarks/partition_scale.py --csr-dir)")
+        raise UserError(
+            f"csr: {directory} lacks {', '.join(missing)}; write the directory layout of docs/datasets.md "
+            "(e.g. with benchmarks/partition_scale.py --csr-dir)"
+        )
     files = (directory / META, *(directory / f"{a}.npy" for a in ARRAYS))
     return DatasetSource(directory.name, files, partial(read_csr, directory))
 
@@ -144,13 +146,17 @@ def read_csr(directory: Path, progress: Progress) -> Graph:
         name, num_classes = str(meta["name"]), int(meta["num_classes"])
         multilabel, symmetrized = bool(meta.get("multilabel", False)), bool(meta.get("symmetrized", False))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"csr: {directory / META} is unreadable ({exc}); write {{\"name\": ..., \"num_classes\": ...}}") from None
+        raise UserError(
+            f'csr: {directory / META} is unreadable ({exc}); write {{"name": ..., "num_classes": ...}}'
+        ) from None
     arrays = {a: _open(directory, a) for a in ARRAYS}
     indptr, indices = arrays["indptr"], arrays["indices"]
     source = f"csr: {directory}"
     if indptr.dtype != np.int64 or indptr.ndim != 1 or indices.dtype != np.int32 or indices.ndim != 1:
-        raise UserError(f"{source}: indptr must be int64 [N+1] and indices int32 [E], found {indptr.dtype} {list(indptr.shape)} "
-                        f"and {indices.dtype} {list(indices.shape)}; convert them with astype")
+        raise UserError(
+            f"{source}: indptr must be int64 [N+1] and indices int32 [E], found {indptr.dtype} {list(indptr.shape)} "
+            f"and {indices.dtype} {list(indices.shape)}; convert them with astype"
+        )
     num_nodes = indptr.shape[0] - 1
     with progress.step(f"checking the CSR of {num_nodes:,} nodes and {indices.shape[0]:,} edges"):
         node = _check_indptr(indptr, indices.shape[0])
@@ -162,15 +168,30 @@ def read_csr(directory: Path, progress: Progress) -> Graph:
                 break
             code, node = _check_rows(indptr, indices, first, last)
     if code:
-        raise UserError(f"{source}: {CSR_PROBLEMS[code]} (at node {node}); write a canonical CSR (see docs/datasets.md)")
+        raise UserError(
+            f"{source}: {CSR_PROBLEMS[code]} (at node {node}); write a canonical CSR (see docs/datasets.md)"
+        )
     features = check_features(arrays["features"], num_nodes, source)
     labels = _check_labels(arrays["labels"], num_nodes, num_classes, multilabel, source)
     train, val, test = _check_masks((arrays["train_mask"], arrays["val_mask"], arrays["test_mask"]), num_nodes, source)
-    return Graph(name=name, indptr=indptr, indices=indices, features=features, labels=labels, train_mask=train,
-                 val_mask=val, test_mask=test, num_classes=num_classes, multilabel=multilabel, symmetrized=symmetrized)
+    return Graph(
+        name=name,
+        indptr=indptr,
+        indices=indices,
+        features=features,
+        labels=labels,
+        train_mask=train,
+        val_mask=val,
+        test_mask=test,
+        num_classes=num_classes,
+        multilabel=multilabel,
+        symmetrized=symmetrized,
+    )
 
 
-def write_synthetic_csr(config: SyntheticConfig, directory: Path, progress: Progress, bucket_keys: int = BUCKET_KEYS) -> None:
+def write_synthetic_csr(
+    config: SyntheticConfig, directory: Path, progress: Progress, bucket_keys: int = BUCKET_KEYS
+) -> None:
     """Write the graph of ``config`` to ``directory`` in the ``csr:`` layout, streaming (module docstring).
 
     Written into ``<directory>.tmp`` and renamed at the end; memory ``O(N + bucket_keys)``,
@@ -212,7 +233,7 @@ def _write_synthetic(config: SyntheticConfig, out: Path, progress: Progress, buc
                 bounds = np.searchsorted(bucket[order], np.arange(buckets + 1))
                 keys = keys[order]
                 for b in range(buckets):
-                    keys[bounds[b]:bounds[b + 1]].tofile(files[b])
+                    keys[bounds[b] : bounds[b + 1]].tofile(files[b])
     finally:
         for handle in files:
             handle.close()
@@ -238,7 +259,9 @@ def _write_synthetic(config: SyntheticConfig, out: Path, progress: Progress, buc
     np.cumsum(counts, out=indptr[1:])
     np.save(out / "indptr.npy", indptr)
     del counts, indptr
-    features = np.lib.format.open_memmap(out / "features.npy", mode="w+", dtype=np.float32, shape=(num_nodes, config.features))
+    features = np.lib.format.open_memmap(
+        out / "features.npy", mode="w+", dtype=np.float32, shape=(num_nodes, config.features)
+    )
     fill_features(config, labels, rng_features, features, progress)
     features.flush()
     del features
@@ -246,8 +269,13 @@ def _write_synthetic(config: SyntheticConfig, out: Path, progress: Progress, buc
     np.save(out / "labels.npy", labels)
     for split, mask in zip(("train_mask", "val_mask", "test_mask"), masks):
         np.save(out / f"{split}.npy", mask)
-    meta = {"name": graph_name(config), "num_classes": config.classes, "multilabel": False, "symmetrized": False,
-            "spec": config.spec()}
+    meta = {
+        "name": graph_name(config),
+        "num_classes": config.classes,
+        "multilabel": False,
+        "symmetrized": False,
+        "spec": config.spec(),
+    }
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
 
 
@@ -256,7 +284,9 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     import io
 
     buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    )
     header = buffer.getvalue()
     if len(header) != _NPY_HEADER:  # numpy pads to 64-byte blocks; a 1-D shape always fits 128
         raise RuntimeError(f"unexpected .npy header length {len(header)}")

@@ -39,9 +39,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir, read_split_masks
 from .planetoid import ALLOWED_GLOBALS, restricted_unpickle
@@ -76,9 +76,20 @@ def _layouts(meta: dict[str, str]) -> list[tuple[str, ...]]:
     if meta["binary"] == "True":
         raw = ("raw/data.npz", "raw/node-label.npz")
     else:
-        extra = [file for key in ("additional node files", "additional edge files") for file in meta[key].split(",") if file != "None"]
-        raw = ("raw/edge.csv.gz", "raw/num-node-list.csv.gz", "raw/num-edge-list.csv.gz", "raw/node-feat.csv.gz",
-               "raw/node-label.csv.gz", *(f"raw/{file}.csv.gz" for file in extra))
+        extra = [
+            file
+            for key in ("additional node files", "additional edge files")
+            for file in meta[key].split(",")
+            if file != "None"
+        ]
+        raw = (
+            "raw/edge.csv.gz",
+            "raw/num-node-list.csv.gz",
+            "raw/num-edge-list.csv.gz",
+            "raw/node-feat.csv.gz",
+            "raw/node-label.csv.gz",
+            *(f"raw/{file}.csv.gz" for file in extra),
+        )
     split_dir = f"split/{meta['split']}"
     splits = (tuple(f"{split_dir}/{file}.csv.gz" for file in SPLIT_FILES.values()), (f"{split_dir}/split_dict.pt",))
     return [data + split for data in (raw, (PROCESSED_FILE,)) for split in splits]
@@ -88,7 +99,9 @@ def locate_ogb(name: str, data_dir: Path | None) -> DatasetSource:
     """Find the dataset folder and check everything ogb needs, so that ogb never downloads or asks."""
     meta = _metadata(name)
     required, *alternatives = _layouts(meta)
-    folder, files = find_dataset_dir(data_dir, (name.replace("-", "_"), meta["download_name"]), required, name, HOW_TO_GET, alternatives)
+    folder, files = find_dataset_dir(
+        data_dir, (name.replace("-", "_"), meta["download_name"]), required, name, HOW_TO_GET, alternatives
+    )
     release = f"RELEASE_v{meta['version']}.txt"
     if not (folder / release).is_file():
         raise UserError(
@@ -173,7 +186,9 @@ def _dataset_class() -> type:
     return LocalDataset
 
 
-def labels_and_masks(raw_labels: np.ndarray, splits: dict[str, np.ndarray], source: str) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def labels_and_masks(
+    raw_labels: np.ndarray, splits: dict[str, np.ndarray], source: str
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Class ids [N] (0 where unlabelled) and split masks [N] restricted to labelled nodes.
 
     ``raw_labels`` is [N] or [N, 1], float with NaN marking unlabelled nodes, or integer.
@@ -181,8 +196,12 @@ def labels_and_masks(raw_labels: np.ndarray, splits: dict[str, np.ndarray], sour
     if raw_labels.ndim == 2 and raw_labels.shape[1] == 1:
         raw_labels = raw_labels[:, 0]
     if raw_labels.ndim != 1:
-        raise UserError(f"{source}: labels have shape {raw_labels.shape}, expected one label per node; download the dataset again")
-    labelled = ~np.isnan(raw_labels) if np.issubdtype(raw_labels.dtype, np.floating) else np.ones(raw_labels.shape, dtype=bool)
+        raise UserError(
+            f"{source}: labels have shape {raw_labels.shape}, expected one label per node; download the dataset again"
+        )
+    labelled = (
+        ~np.isnan(raw_labels) if np.issubdtype(raw_labels.dtype, np.floating) else np.ones(raw_labels.shape, dtype=bool)
+    )
     labels = np.where(labelled, raw_labels, 0)
     masks = read_split_masks(raw_labels.shape[0], splits, source)
     return labels, (masks[0] & labelled, masks[1] & labelled, masks[2] & labelled)
@@ -212,10 +231,22 @@ def read_ogb(name: str, folder: Path, progress: Progress) -> Graph:
             ) from None
         except Exception as exc:  # ogb reports a damaged file with whatever pandas, numpy or torch raise
             detail = next(iter(str(exc).strip().splitlines()), "")
-            raise UserError(f"{source}: the ogb package could not read the dataset ({type(exc).__name__}: {detail}); download the dataset again") from None
+            raise UserError(
+                f"{source}: the ogb package could not read the dataset ({type(exc).__name__}: {detail}); download the dataset again"
+            ) from None
     if features is None:
         raise UserError(f"{source}: the dataset has no node features; download the dataset again")
     if edges.ndim != 2 or edges.shape[0] != 2:
         raise UserError(f"{source}: edge_index has shape {edges.shape}, expected [2, E]; download the dataset again")
     labels, masks = labels_and_masks(np.asarray(dataset.labels), splits, source)
-    return build_graph(name, edges[0], edges[1], np.asarray(features), labels, masks, int(_metadata(name)["num classes"]), source, progress)
+    return build_graph(
+        name,
+        edges[0],
+        edges[1],
+        np.asarray(features),
+        labels,
+        masks,
+        int(_metadata(name)["num classes"]),
+        source,
+        progress,
+    )

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import csr_row_ids, dense_from_sparse
@@ -61,8 +61,14 @@ class PickledCSR:
             rows, cols = int(shape[0]), int(shape[1])
         except (TypeError, ValueError, IndexError):
             raise UserError(f"{source} holds a sparse matrix with non-numeric parts; download the file again") from None
-        if indices.ndim != 1 or indices.shape != data.shape or (indices.size and (indices.min() < 0 or indices.max() >= cols)):
-            raise UserError(f"{source} holds a sparse matrix whose column ids do not fit its shape; download the file again")
+        if (
+            indices.ndim != 1
+            or indices.shape != data.shape
+            or (indices.size and (indices.min() < 0 or indices.max() >= cols))
+        ):
+            raise UserError(
+                f"{source} holds a sparse matrix whose column ids do not fit its shape; download the file again"
+            )
         row = csr_row_ids(state["indptr"], rows, indices.size, f"{source}: the sparse matrix")
         return dense_from_sparse(row, indices, data, (rows, cols))
 
@@ -109,7 +115,9 @@ def restricted_unpickle(handle: BinaryIO, source: str) -> object:
     try:
         return _RestrictedUnpickler(handle, encoding="latin1").load()
     except Exception as exc:  # a damaged pickle can fail in any of the opcode handlers
-        raise UserError(f"{source} cannot be read ({type(exc).__name__}: {exc}); the file is damaged or not in the expected format, get it again") from None
+        raise UserError(
+            f"{source} cannot be read ({type(exc).__name__}: {exc}); the file is damaged or not in the expected format, get it again"
+        ) from None
 
 
 def _dense(value: object, path: Path) -> np.ndarray:
@@ -123,7 +131,9 @@ def _dense(value: object, path: Path) -> np.ndarray:
 def _edges(adjacency: object, path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(src, dst) of the adjacency lists ``{node: [neighbour, ...]}``."""
     if not isinstance(adjacency, dict):
-        raise UserError(f"{path} holds {type(adjacency).__name__}, expected a dict of adjacency lists; download the file again")
+        raise UserError(
+            f"{path} holds {type(adjacency).__name__}, expected a dict of adjacency lists; download the file again"
+        )
     try:
         nodes = np.fromiter(adjacency.keys(), dtype=np.int64, count=len(adjacency))
         counts = np.fromiter(map(len, adjacency.values()), dtype=np.int64, count=len(adjacency))
@@ -162,11 +172,18 @@ def read_planetoid(name: str, root: Path, progress: Progress) -> Graph:
     num_train, num_classes = y.shape
     num_known = allx.shape[0]
     if (
-        ally.shape[0] != num_known or tx.shape[0] != ty.shape[0] or tx.shape[0] != test_index.size
-        or tx.shape[1] != allx.shape[1] or not ally.shape[1] == ty.shape[1] == num_classes
-        or test_index.size == 0 or test_index.min() < num_known or num_train + NUM_VAL > num_known
+        ally.shape[0] != num_known
+        or tx.shape[0] != ty.shape[0]
+        or tx.shape[0] != test_index.size
+        or tx.shape[1] != allx.shape[1]
+        or not ally.shape[1] == ty.shape[1] == num_classes
+        or test_index.size == 0
+        or test_index.min() < num_known
+        or num_train + NUM_VAL > num_known
     ):
-        raise UserError(f"{root}: the ind.{name}.* files do not fit together (x/y/tx/ty/allx/ally/test.index sizes differ); use one complete download")
+        raise UserError(
+            f"{root}: the ind.{name}.* files do not fit together (x/y/tx/ty/allx/ally/test.index sizes differ); use one complete download"
+        )
     num_nodes = max(num_known + tx.shape[0], int(test_index.max()) + 1)
     features = np.zeros((num_nodes, allx.shape[1]), dtype=np.float32)
     features[:num_known], features[test_index] = allx, tx
@@ -178,7 +195,9 @@ def read_planetoid(name: str, root: Path, progress: Progress) -> Graph:
     labels = one_hot.argmax(axis=1)
     masks = np.zeros((3, num_nodes), dtype=bool)
     masks[0, :num_train] = True
-    masks[1, num_train:num_train + NUM_VAL] = True
+    masks[1, num_train : num_train + NUM_VAL] = True
     masks[2, test_index] = True
     src, dst = _edges(parts["graph"], paths["graph"])
-    return build_graph(name, src, dst, features, labels, (masks[0], masks[1], masks[2]), num_classes, f"{name} ({root})", progress)
+    return build_graph(
+        name, src, dst, features, labels, (masks[0], masks[1], masks[2]), num_classes, f"{name} ({root})", progress
+    )

@@ -12,9 +12,8 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from bnsgcn.partition.graph import Graph
-
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import NpzArrays, read_sparse
@@ -39,7 +38,9 @@ def read_reddit(root: Path, progress: Progress) -> Graph:
         src, dst, _, shape = read_sparse(adjacency)
     num_nodes = features.shape[0]
     if shape != (num_nodes, num_nodes) or node_types.shape != (num_nodes,):
-        raise UserError(f"reddit: {graph_file.name} ({shape}) and {data_file.name} ({num_nodes} nodes) do not match; unzip both files from the same reddit.zip")
+        raise UserError(
+            f"reddit: {graph_file.name} ({shape}) and {data_file.name} ({num_nodes} nodes) do not match; unzip both files from the same reddit.zip"
+        )
     masks = (node_types == 1, node_types == 2, node_types == 3)
     num_classes = int(labels.max()) + 1 if labels.size else 1
     return build_graph("reddit", src, dst, features, labels, masks, num_classes, f"reddit ({data_file})", progress)

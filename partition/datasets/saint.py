@@ -19,9 +19,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph
 
 from . import (
     DatasetSource,
@@ -34,7 +34,9 @@ from . import (
 from .npz import NpzArrays, read_sparse
 
 FILES = ("adj_full.npz", "feats.npy", "class_map.json", "role.json")
-HOW_TO_GET = "get the dataset folder from the GraphSAINT data links (https://github.com/GraphSAINT/GraphSAINT, section Datasets)"
+HOW_TO_GET = (
+    "get the dataset folder from the GraphSAINT data links (https://github.com/GraphSAINT/GraphSAINT, section Datasets)"
+)
 ROLE_KEYS = {"train": "tr", "val": "va", "test": "te"}
 
 
@@ -59,7 +61,9 @@ def _read_labels(path: Path, num_nodes: int) -> tuple[np.ndarray, int, bool]:
         else:
             values = np.fromiter(class_map.values(), dtype=np.int64, count=len(class_map))
     except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{path}: node ids must be integers and labels integers or equal-length 0/1 lists; fix the file") from None
+        raise UserError(
+            f"{path}: node ids must be integers and labels integers or equal-length 0/1 lists; fix the file"
+        ) from None
     if nodes.min() < 0 or nodes.max() >= num_nodes or np.unique(nodes).size != num_nodes:
         raise UserError(f"{path} must label every node 0..{num_nodes - 1} exactly once; it does not match adj_full.npz")
     if multilabel:
@@ -108,11 +112,24 @@ def read_saint(graph_name: str, root: Path, progress: Progress) -> Graph:
         try:
             features = np.load(root / "feats.npy", allow_pickle=False)
         except (OSError, ValueError, EOFError) as exc:
-            raise UserError(f"{root / 'feats.npy'} is not a readable .npy array ({exc}); download the dataset again") from None
+            raise UserError(
+                f"{root / 'feats.npy'} is not a readable .npy array ({exc}); download the dataset again"
+            ) from None
     features = check_features(features, num_nodes, str(root / "feats.npy"))
     with progress.step(f"reading {root / 'class_map.json'}"):
         labels, num_classes, multilabel = _read_labels(root / "class_map.json", num_nodes)
     masks = _read_splits(root / "role.json", num_nodes)
     if masks[0].any():  # an empty training split is reported by build_graph
         features = standardise(features, masks[0])
-    return build_graph(graph_name, src, dst, features, labels, masks, num_classes, f"{graph_name} ({root})", progress, multilabel=multilabel)
+    return build_graph(
+        graph_name,
+        src,
+        dst,
+        features,
+        labels,
+        masks,
+        num_classes,
+        f"{graph_name} ({root})",
+        progress,
+        multilabel=multilabel,
+    )

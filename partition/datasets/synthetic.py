@@ -31,9 +31,9 @@ from dataclasses import dataclass, fields, replace
 from functools import partial
 
 import numpy as np
-from bnsgcn.partition.graph import Graph
 
 from bnsgcn.errors import UserError
+from bnsgcn.partition.graph import Graph
 
 from . import DatasetSource, Progress, build_graph, random_split_masks
 
@@ -152,7 +152,9 @@ def edge_sampler(config: SyntheticConfig, labels: np.ndarray) -> tuple[int, Edge
     # which a fraction h lies within classes: degree and homophily hold in expectation.
     target = num_nodes * config.degree / 2.0
     draws_in = _draws_for(config.homophily * target, lambda k: _expected_in_class(k, class_sizes, num_nodes), config)
-    draws_cross = _draws_for((1.0 - config.homophily) * target, lambda k: _expected_cross_class(k, class_sizes, num_nodes), config)
+    draws_cross = _draws_for(
+        (1.0 - config.homophily) * target, lambda k: _expected_cross_class(k, class_sizes, num_nodes), config
+    )
     draws = draws_in + draws_cross
     in_class_probability = draws_in / draws
 
@@ -170,7 +172,9 @@ def edge_sampler(config: SyntheticConfig, labels: np.ndarray) -> tuple[int, Edge
     return draws, sample
 
 
-def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
+def _draw_edges(
+    config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, progress: Progress
+) -> tuple[np.ndarray, np.ndarray]:
     """(src, dst) int32 [draws]: the drawn edges, one direction each."""
     draws, sample = edge_sampler(config, labels)
     src = np.empty(draws, dtype=np.int32)
@@ -178,11 +182,13 @@ def _draw_edges(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Gene
     with progress.step(f"drawing {draws:,} edges"):
         for start in range(0, draws, CHUNK):
             count = min(CHUNK, draws - start)
-            src[start:start + count], dst[start:start + count] = sample(rng, count)
+            src[start : start + count], dst[start : start + count] = sample(rng, count)
     return src, dst
 
 
-def fill_features(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, features: np.ndarray, progress: Progress) -> None:
+def fill_features(
+    config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, features: np.ndarray, progress: Progress
+) -> None:
     """Draw the features of ``config`` into ``features`` float32 [N, F] (an array or a memory map), row block by row block."""
     centroids = rng.standard_normal((config.classes, config.features), dtype=np.float32)
     with progress.step(f"drawing {config.nodes:,} x {config.features} features"):
@@ -190,8 +196,8 @@ def fill_features(config: SyntheticConfig, labels: np.ndarray, rng: np.random.Ge
         for start in range(0, config.nodes, rows):
             block = rng.standard_normal((min(rows, config.nodes - start), config.features), dtype=np.float32)
             block *= np.float32(config.noise)
-            block += centroids[labels[start:start + rows]]
-            features[start:start + rows] = block
+            block += centroids[labels[start : start + rows]]
+            features[start : start + rows] = block
 
 
 def random_streams(config: SyntheticConfig) -> tuple[np.random.Generator, ...]:
