@@ -21,14 +21,12 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from bnsgcn.config import TrainConfig, from_args
+from bnsgcn.config import TrainConfig, check_flags, from_args
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
-from bnsgcn.sync.stragglers import check_flags as check_straggler_flags
 
 from .discover import (
     DEFAULT_SEARCH_ROOT,
@@ -125,16 +123,16 @@ def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
     """``--gpus`` means cuda, ``--procs`` cpu; otherwise ``--device`` (possibly "auto",
     resolved by :func:`bnsgcn.device.resolve_device` once the local rank count is known)."""
     if args.gpus is not None:
-        if config.device == "cpu":
+        if config.run.device == "cpu":
             raise UserError(
                 "--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks"
             )
         return "cuda"
     if args.procs is not None:
-        if config.device == "cuda":
+        if config.run.device == "cuda":
             raise UserError("--procs starts CPU ranks but --device cuda was given; use --gpus N for GPU ranks")
         return "cpu"
-    return config.device
+    return config.run.device
 
 
 def require_gpus(needed: int, what: str, fix: str) -> None:
@@ -168,9 +166,9 @@ def resume_after_restart(config: TrainConfig, environ: Mapping[str, str], announ
     requeued SLURM job) with a fixed ``--out`` to resume from. ``announcer``: this process
     warns about a restart without ``--out`` (one process per job)."""
     count, variable = restart_count(environ)
-    if config.resume or count == 0:
-        return config.resume
-    if config.out is not None:
+    if config.checkpoint.resume or count == 0:
+        return config.checkpoint.resume
+    if config.run.out is not None:
         return True
     if announcer:
         print(
@@ -198,12 +196,12 @@ def prepare_local_ranks(
     if local is not None and device == "cuda":
         require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
     partition_set = choose_partition_set(
-        config.parts_dir, None if local is None or config.work_pool else local * args.nnodes, search_root
+        config.data.parts_dir, None if local is None or config.sync.work_pool else local * args.nnodes, search_root
     )
-    if config.parts_dir is None:
+    if config.data.parts_dir is None:
         announce(partition_set, search_root)
     if local is None:
-        if config.work_pool:
+        if config.sync.work_pool:
             raise UserError(
                 "--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the set's partitions"
             )
@@ -214,8 +212,8 @@ def prepare_local_ranks(
             )
     device = resolve_device(device, local)
     world_size = local * args.nnodes
-    check_world_size(partition_set, world_size, config.work_pool)
-    check_straggler_flags(config, world_size)
+    check_world_size(partition_set, world_size, config.sync.work_pool)
+    check_flags(config, world_size)
 
     nodes = slurm_nodes(os.environ) if in_slurm_step(os.environ) else None
     master_addr = args.master_addr or (nodes[0] if nodes and args.nnodes > 1 else "127.0.0.1")
@@ -229,10 +227,10 @@ def prepare_local_ranks(
             f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}"
         )
 
-    threads = config.threads or threads_per_rank(local)
+    threads = config.run.threads or threads_per_rank(local)
     resume = (
         ["--resume"]
-        if resume_after_restart(config, os.environ, announcer=args.node_rank == 0) and not config.resume
+        if resume_after_restart(config, os.environ, announcer=args.node_rank == 0) and not config.checkpoint.resume
         else []
     )
     child_argv = [
@@ -295,11 +293,13 @@ def prepare_rank(
     check_launch_flags(args)
     config = from_args(args)
     device = resolve_device(choose_device(args, config), ranks.local_world_size)
-    partition_set = choose_partition_set(config.parts_dir, None if config.work_pool else ranks.world_size, search_root)
-    if config.parts_dir is None and ranks.rank == 0:
+    partition_set = choose_partition_set(
+        config.data.parts_dir, None if config.sync.work_pool else ranks.world_size, search_root
+    )
+    if config.data.parts_dir is None and ranks.rank == 0:
         announce(partition_set, search_root)
-    check_world_size(partition_set, ranks.world_size, config.work_pool)
-    check_straggler_flags(config, ranks.world_size)
+    check_world_size(partition_set, ranks.world_size, config.sync.work_pool)
+    check_flags(config, ranks.world_size)
     check_master_address(ranks.master_addr)
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
     if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):
@@ -310,11 +310,10 @@ def prepare_rank(
     ranks.export(os.environ)
     nodes = slurm_nodes(os.environ) if ranks.source == "slurm" or in_slurm_step(os.environ) else None
     export_launch_record(os.environ, launch_record(ranks.source, os.environ, nodes))
-    return replace(
-        config,
+    return config.replace(
         parts_dir=partition_set.path.resolve(),
         device=device,
-        threads=config.threads or ranks.threads,
+        threads=config.run.threads or ranks.threads,
         resume=resume,
     )
 

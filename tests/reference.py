@@ -50,7 +50,7 @@ def induced_by_train_nodes(graph: Graph) -> Graph:
 
 def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
     """The parameters every rank starts from (same seed, same constructor)."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     model = GNN(config, graph.features.shape[1], graph.num_classes, lambda t: t)
     return {k: v.detach().double().clone() for k, v in model.state_dict().items()}
 
@@ -58,16 +58,16 @@ def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
 def forward(config: TrainConfig, a: Tensor, params: dict[str, Tensor], x: Tensor) -> Tensor:
     deg = a.sum(1)
     h = x
-    for i in range(config.layers):
-        last = i == config.layers - 1
+    for i in range(config.model.layers):
+        last = i == config.model.layers - 1
         p = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
-        if config.model == "graphsage":
+        if config.model.name == "graphsage":
             h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + (a / deg[:, None]) @ h @ p["lin_neigh.weight"].T
-        elif config.model == "gcn":
+        elif config.model.name == "gcn":
             norm = a / torch.sqrt(deg[:, None] * deg[None, :])
             h = norm @ h @ p["lin.weight"].T + p["bias"]
         else:
-            heads = config.heads
+            heads = config.model.heads
             z = (h @ p["lin.weight"].T).view(h.shape[0], heads, -1)
             s_src = (z * p["att_src"]).sum(-1)
             s_dst = (z * p["att_dst"]).sum(-1)
@@ -77,12 +77,12 @@ def forward(config: TrainConfig, a: Tensor, params: dict[str, Tensor], x: Tensor
             out = torch.einsum("vuh,uhd->vhd", alpha, z)
             h = (out.mean(1) if last else out.reshape(out.shape[0], -1)) + p["bias"]
         if not last:
-            if config.norm == "layer":
+            if config.model.norm == "layer":
                 h = F.layer_norm(h, h.shape[1:], params[f"norms.{i}.weight"], params[f"norms.{i}.bias"])
-            elif config.norm == "batch":
+            elif config.model.norm == "batch":
                 mean, var = h.mean(0), h.var(0, unbiased=False)
                 h = (h - mean) / torch.sqrt(var + 1e-5) * params[f"norms.{i}.weight"] + params[f"norms.{i}.bias"]
-            h = F.elu(h) if config.model == "gat" else F.relu(h)
+            h = F.elu(h) if config.model.name == "gat" else F.relu(h)
     return h
 
 
@@ -93,9 +93,9 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     labels = torch.from_numpy(graph.labels)
     train_mask = torch.from_numpy(graph.train_mask)
     params = {k: v.requires_grad_(True) for k, v in initial_params(config, graph).items() if "running" not in k}
-    opt = torch.optim.Adam(params.values(), lr=config.lr, weight_decay=config.weight_decay)
+    opt = torch.optim.Adam(params.values(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
     losses = []
-    for _ in range(config.epochs):
+    for _ in range(config.run.epochs):
         logits = forward(config, a, params, x)
         if graph.multilabel:
             loss = F.binary_cross_entropy_with_logits(
@@ -130,7 +130,7 @@ def exact_config(model: str, precompute: bool, parts_dir, out, **overrides) -> T
         out=out,
         seed=3,
     )
-    return TrainConfig(**(base | overrides))
+    return TrainConfig.from_settings(**(base | overrides))
 
 
 def _bias_before_norm(name: str, layers: int) -> bool:
@@ -141,17 +141,21 @@ def assert_run_matches(config: TrainConfig, graph: Graph, params_by_rank: list[d
     """The run of ``config`` (losses in its metrics.jsonl; every rank's final parameters,
     numpy arrays by name) equals :func:`train` on ``graph``."""
     ref_losses, ref_params = train(config, graph)
-    lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     losses = [line["loss"] for line in lines if "loss" in line]
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (config.model, config.use_precompute, config.norm)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (
+        config.model.name,
+        config.model.use_precompute,
+        config.model.norm,
+    )
     for params in params_by_rank:  # every rank holds the same, correct parameters
         for name, ref in ref_params.items():
-            if config.norm == "batch" and _bias_before_norm(name, config.layers):
+            if config.model.norm == "batch" and _bias_before_norm(name, config.model.layers):
                 continue  # batch norm cancels it: its true gradient is 0 and Adam turns float noise into steps
             torch.testing.assert_close(
                 torch.from_numpy(params[name]).double(),
                 ref,
                 rtol=1e-4,
                 atol=1e-5,
-                msg=lambda m: f"{config.model} {config.norm} {name}: {m}",
+                msg=lambda m: f"{config.model.name} {config.model.norm} {name}: {m}",
             )

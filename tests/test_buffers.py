@@ -205,7 +205,7 @@ def test_training_with_every_tensor_pooled_is_exact_at_p1(tmp_path):
     for i, config in enumerate(configs):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
         counts = results[0][i]["instrumented"]
-        assert counts["handed_out"] > counts["allocated"] > 0, (config.model, counts)  # pooled, and blocks reused
+        assert counts["handed_out"] > counts["allocated"] > 0, (config.model.name, counts)  # pooled, and blocks reused
 
 
 def test_pooling_changes_nothing_with_sampling_and_dropout(tmp_path):

@@ -104,7 +104,7 @@ def test_training_with_compressed_messages(tmp_path):
         "int4": dict(compress="int4", compress_grad="none"),
         "int8-hier": dict(compress="int8", exchange="hierarchical"),
     }
-    configs = [TrainConfig(**base, **extra, out=tmp_path / name) for name, extra in runs.items()]
+    configs = [TrainConfig.from_settings(**base, **extra, out=tmp_path / name) for name, extra in runs.items()]
     run_ranks(4, configs, nodes=[0, 0, 1, 1])
     records = {name: _records(tmp_path / name) for name in runs}
     exact = [r["loss"] for r in records["none"]]

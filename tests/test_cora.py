@@ -34,7 +34,7 @@ def test_cora_accuracy_four_ranks(tmp_path):
         progress=False,
     )
     configs = [
-        TrainConfig(
+        TrainConfig.from_settings(
             parts_dir=parts,
             p=0.1,
             model=model,
@@ -54,8 +54,8 @@ def test_cora_accuracy_four_ranks(tmp_path):
     run_ranks(4, configs, timeout=1200)
     scores = {}
     for config in configs:
-        summary = json.loads((config.out / "metrics.jsonl").read_text().splitlines()[-1])
-        scores.setdefault(config.model, []).append(summary["test_score"])
+        summary = json.loads((config.run.out / "metrics.jsonl").read_text().splitlines()[-1])
+        scores.setdefault(config.model.name, []).append(summary["test_score"])
     print(
         "cora test scores (best-validation epoch):", json.dumps(scores)
     )  # recorded in docs/benchmarks.md (pytest -rP)

@@ -271,13 +271,15 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
     parts = partition(random_graph(num_nodes=90, avg_degree=5, seed=11), 3, tmp_path / "parts")
     base = dict(parts_dir=parts, layers=2, hidden=8, heads=2, epochs=3, eval_every=1, seed=1, device="cpu")
     configs = [
-        TrainConfig(**base, model="graphsage", p=0.5, exchange="hierarchical", out=tmp_path / "sage"),
-        TrainConfig(**base, model="gat", p=0.5, exchange="direct", dropout=0.3, compress="int8", out=tmp_path / "gat"),
-        TrainConfig(
+        TrainConfig.from_settings(**base, model="graphsage", p=0.5, exchange="hierarchical", out=tmp_path / "sage"),
+        TrainConfig.from_settings(
+            **base, model="gat", p=0.5, exchange="direct", dropout=0.3, compress="int8", out=tmp_path / "gat"
+        ),
+        TrainConfig.from_settings(
             **base, model="gcn", p=0.5, staleness=1, exchange="hierarchical", inductive=True, out=tmp_path / "stale"
         ),
-        TrainConfig(**base, model="graphsage", p=1.0, norm="batch", out=tmp_path / "full"),
-        TrainConfig(
+        TrainConfig.from_settings(**base, model="graphsage", p=1.0, norm="batch", out=tmp_path / "full"),
+        TrainConfig.from_settings(
             **(base | dict(layers=3)),
             model="gcn",
             p=0.5,
@@ -318,14 +320,14 @@ def test_empty_splits_every_model_with_staleness_and_inductive(tmp_path, monkeyp
         "sage-stale": dict(model="graphsage", staleness=1, compress="fp16", exchange="hierarchical"),
         "gat-stale": dict(model="gat", heads=2, staleness=1),
     }
-    configs = [TrainConfig(**base, **v, out=tmp_path / name) for name, v in variants.items()]
+    configs = [TrainConfig.from_settings(**base, **v, out=tmp_path / name) for name, v in variants.items()]
     run_ranks(4, configs, nodes=[0, 0, 1, 1])
     for config in configs:
-        records = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
         epochs = [r for r in records if "epoch" in r]
-        assert len(epochs) == 3 and all(np.isfinite(r["loss"]) for r in epochs), config.out.name
-        assert min(r["sampled_boundary"] for r in epochs) < 40, config.out.name
-        report = json.loads((config.out / "report.json").read_text())
+        assert len(epochs) == 3 and all(np.isfinite(r["loss"]) for r in epochs), config.run.out.name
+        assert min(r["sampled_boundary"] for r in epochs) < 40, config.run.out.name
+        report = json.loads((config.run.out / "report.json").read_text())
         island = report["ranks"][3]
         assert (
             island["boundary_nodes"] == 0

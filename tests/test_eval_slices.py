@@ -43,7 +43,7 @@ def _check_logits(configs, results, graph, world):
     reference with the run's final parameters."""
     a = reference.dense_adjacency(graph)
     x = torch.from_numpy(graph.features).double()
-    inner = [np.asarray(load_partition(configs[0].parts_dir, r)["inner_nodes"]) for r in range(world)]
+    inner = [np.asarray(load_partition(configs[0].data.parts_dir, r)["inner_nodes"]) for r in range(world)]
     for i, config in enumerate(configs):
         params = {k: torch.from_numpy(v).double() for k, v in results[0][i]["params"].items()}
         expected = reference.forward(config, a, params, x)
@@ -51,8 +51,8 @@ def _check_logits(configs, results, graph, world):
             records = results[rank][i]["instrumented"]
             assert records, "no evaluation ran"
             for sliced, unsliced, slices in records:
-                label = f"{config.model} precompute={config.use_precompute} {config.exchange} buffer={config.eval_buffer_mib} rank {rank}"
-                assert slices > config.layers, label  # really sliced: several slices per exchanging layer
+                label = f"{config.model.name} precompute={config.model.use_precompute} {config.exchange.mode} buffer={config.evaluation.buffer_mib} rank {rank}"
+                assert slices > config.model.layers, label  # really sliced: several slices per exchanging layer
                 # bit-identical: each output column is the same sum, in the same order, whatever the slice
                 np.testing.assert_array_equal(sliced, unsliced, err_msg=label)
             np.testing.assert_allclose(
@@ -134,7 +134,7 @@ def test_report_shows_smaller_evaluation_buffers(tmp_path):
     ]
     results = run_ranks(2, configs)
     assert results[0][1]["best_val_score"] == results[0][0]["best_val_score"]
-    unsliced, sliced = (report.load(c.out)["ranks"] for c in configs)
+    unsliced, sliced = (report.load(c.run.out)["ranks"] for c in configs)
     for whole, part in zip(unsliced, sliced):
         assert 0 < part["evaluation_buffer_bytes"] <= 2 * budget * 2**20 < whole["evaluation_buffer_bytes"]
         assert part["exchange_buffer_bytes"] == whole["exchange_buffer_bytes"] > 0

@@ -60,13 +60,13 @@ def test_cuda_rank_equals_cpu_rank_and_the_reference(tmp_path, one_part, model, 
         for device in ("cuda", "cpu")
     ]
     results = run_ranks(1, configs)
-    cuda, cpu = (_epochs(c.out) for c in configs)
+    cuda, cpu = (_epochs(c.run.out) for c in configs)
     assert [r["loss"] for r in cuda] == pytest.approx([r["loss"] for r in cpu], rel=1e-5, abs=1e-6)
     for a, b in zip(cuda, cpu):
         for split in ("train_score", "val_score", "test_score"):
             assert a[split] == pytest.approx(b[split], abs=1.5 / graph.num_nodes)  # a tie may tip one node
     reference.assert_run_matches(configs[0], graph, [results[0][0]["params"]])
-    report = json.loads((configs[0].out / "report.json").read_text())
+    report = json.loads((configs[0].run.out / "report.json").read_text())
     rank = report["ranks"][0]
     assert rank["device"].startswith("cuda") and rank["peak_cuda_allocated_bytes"] > 0
     assert rank["peak_cuda_reserved_bytes"] >= rank["peak_cuda_allocated_bytes"] and rank["peak_rss_bytes"] > 0
@@ -85,7 +85,7 @@ def test_sampled_cuda_run_is_finite_and_device_syncs_are_the_documented_ones(tmp
     ]
     results = run_ranks(1, configs, instrument=instrument_cuda_syncs)
     for config, result in zip(configs, results[0]):
-        assert all(np.isfinite(r["loss"]) for r in _epochs(config.out))
+        assert all(np.isfinite(r["loss"]) for r in _epochs(config.run.out))
         functions = {site.rsplit(":", 1)[0] for site in result["instrumented"]}
         assert functions <= DEVICE_SYNC_FUNCTIONS, result["instrumented"]
         assert "accounting.EpochAccount.gather" in functions  # the recorder works: the loss is read
@@ -105,9 +105,9 @@ def test_checkpoint_resumes_across_devices(tmp_path, one_part, first, then):
         "gat", False, parts, tmp_path / "resumed", device=then, epochs=4, checkpoint_every=2, resume=True
     )
     run_ranks(1, [resumed])
-    losses = [r["loss"] for r in _epochs(resumed.out)]
+    losses = [r["loss"] for r in _epochs(resumed.run.out)]
     assert len(losses) == 4
-    assert losses == pytest.approx([r["loss"] for r in _epochs(straight.out)], rel=1e-5, abs=1e-6)
+    assert losses == pytest.approx([r["loss"] for r in _epochs(straight.run.out)], rel=1e-5, abs=1e-6)
 
 
 def test_sampled_adjacency_selection_on_cuda_does_not_synchronise():

@@ -148,7 +148,7 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
     """5 ranks on nodes of 3 and 2: losses and parameters as with direct exchange."""
     parts = partition(random_graph(num_nodes=150, avg_degree=5, seed=4), 5, tmp_path / "parts")
     configs = [
-        TrainConfig(
+        TrainConfig.from_settings(
             parts_dir=parts,
             layers=2,
             hidden=8,
@@ -166,8 +166,8 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
     results = run_ranks(5, configs, nodes=[0, 0, 0, 1, 1])
     for i in range(0, len(configs), 2):
         direct, hier = results[0][i], results[0][i + 1]
-        assert [r["loss"] for r in _records(configs[i + 1].out)] == pytest.approx(
-            [r["loss"] for r in _records(configs[i].out)], rel=1e-5
+        assert [r["loss"] for r in _records(configs[i + 1].run.out)] == pytest.approx(
+            [r["loss"] for r in _records(configs[i].run.out)], rel=1e-5
         ), CONFIGS[i // 2]
         assert hier["best_val_score"] == direct["best_val_score"]
         for name, value in direct["params"].items():
@@ -178,7 +178,7 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
 
 def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
     parts = partition(random_graph(num_nodes=80, avg_degree=4, seed=2), 2, tmp_path / "parts")
-    config = lambda name: TrainConfig(
+    config = lambda name: TrainConfig.from_settings(
         parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name
     )  # noqa: E731
     run_ranks(2, [config("one-node")])
@@ -224,10 +224,13 @@ def test_empty_sends_and_a_partition_without_boundary(tmp_path):
 
     base = dict(parts_dir=parts, model="gat", layers=2, hidden=4, heads=2, epochs=2, eval_every=1, seed=1)
     variants = [(p, x, c) for p in (0.05, 1.0) for c in ("none", "int4") for x in ("direct", "hierarchical")]
-    configs = [TrainConfig(**base, p=p, exchange=x, compress=c, out=tmp_path / f"{p}-{x}-{c}") for p, x, c in variants]
+    configs = [
+        TrainConfig.from_settings(**base, p=p, exchange=x, compress=c, out=tmp_path / f"{p}-{x}-{c}")
+        for p, x, c in variants
+    ]
     run_ranks(4, configs, nodes=[0, 0, 1, 1])
-    losses = {v: [r["loss"] for r in _records(c.out)] for v, c in zip(variants, configs)}
+    losses = {v: [r["loss"] for r in _records(c.run.out)] for v, c in zip(variants, configs)}
     assert all(np.isfinite(loss).all() for loss in losses.values())
-    assert min(r["sampled_boundary"] for r in _records(configs[0].out)) < 50  # small p: little is sent
+    assert min(r["sampled_boundary"] for r in _records(configs[0].run.out)) < 50  # small p: little is sent
     for p in (0.05, 1.0):
         assert losses[p, "hierarchical", "none"] == pytest.approx(losses[p, "direct", "none"], rel=1e-5)

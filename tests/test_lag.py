@@ -27,7 +27,6 @@ import json
 import shutil
 import signal
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +84,7 @@ def config(parts, out, **kw) -> TrainConfig:
         staleness=1,
         timeout=60,
     )
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_settings(**(base | kw))
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -121,18 +120,18 @@ def test_max_lag_one_equals_staleness_one(parts, tmp_path):
     configs = []
     for i, case in enumerate(CASES):
         stale = config(parts, tmp_path / f"stale-{i}", **case)
-        configs += [stale, replace(stale, max_lag=1, out=tmp_path / f"lag-{i}")]
-    configs.append(replace(configs[1], out=tmp_path / "lag-again"))
+        configs += [stale, stale.replace(max_lag=1, out=tmp_path / f"lag-{i}")]
+    configs.append(configs[1].replace(out=tmp_path / "lag-again"))
     results = run_ranks(WORLD, configs)
     for i, case in enumerate(CASES):
         stale, lagged = configs[2 * i], configs[2 * i + 1]
-        assert losses_of(lagged.out) == pytest.approx(losses_of(stale.out), rel=1e-6, abs=1e-7), case
+        assert losses_of(lagged.run.out) == pytest.approx(losses_of(stale.run.out), rel=1e-6, abs=1e-7), case
         assert_same_params(results, 2 * i, 2 * i + 1)
-        lines = records(lagged.out)
-        assert [r["per_rank"]["lag"] for r in lines] == [[0] * WORLD] + [[1] * WORLD] * (stale.epochs - 1), case
+        lines = records(lagged.run.out)
+        assert [r["per_rank"]["lag"] for r in lines] == [[0] * WORLD] + [[1] * WORLD] * (stale.run.epochs - 1), case
         # no selections all-to-all: after the first epoch no byte of it
         assert all(r["bytes_sent_by_kind"]["selections"] == 0 for r in lines), case
-    assert losses_of(configs[-1].out) == losses_of(configs[1].out)  # S = 1 repeats exactly
+    assert losses_of(configs[-1].run.out) == losses_of(configs[1].run.out)  # S = 1 repeats exactly
     assert_same_params(results, 1, len(configs) - 1, exact=True)
 
 
@@ -153,14 +152,14 @@ def test_max_lag_one_with_a_compressed_wire_equals_staleness_one(parts, tmp_path
     configs = []
     for i, case in enumerate(WIRE_CASES):
         stale = config(parts, tmp_path / f"stale-{i}", epochs=5, **case)
-        configs += [stale, replace(stale, max_lag=1, out=tmp_path / f"lag-{i}")]
+        configs += [stale, stale.replace(max_lag=1, out=tmp_path / f"lag-{i}")]
     results = run_ranks(WORLD, configs)
     for i, case in enumerate(WIRE_CASES):
         stale, lagged = configs[2 * i], configs[2 * i + 1]
-        assert losses_of(lagged.out) == pytest.approx(losses_of(stale.out), rel=1e-6, abs=1e-7), case
+        assert losses_of(lagged.run.out) == pytest.approx(losses_of(stale.run.out), rel=1e-6, abs=1e-7), case
         assert_same_params(results, 2 * i, 2 * i + 1)
         for kind in ("features", "gradients"):
-            assert bytes_sent(lagged.out, kind) == bytes_sent(stale.out, kind) > 0, (case, kind)
+            assert bytes_sent(lagged.run.out, kind) == bytes_sent(stale.run.out, kind) > 0, (case, kind)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -179,13 +178,13 @@ def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
         epochs=7,
         max_lag=1,
     )
-    first = replace(whole, out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
-    rest = replace(first, epochs=7, resume=True)  # from the checkpoint of the last epoch of `first`
+    first = whole.replace(out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
+    rest = first.replace(epochs=7, resume=True)  # from the checkpoint of the last epoch of `first`
     results = run_ranks(WORLD, [whole, first, rest])
-    assert losses_of(rest.out) == losses_of(whole.out)
+    assert losses_of(rest.run.out) == losses_of(whole.run.out)
     assert_same_params(results, 0, 2, exact=True)
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
-    assert sorted(p.name for p in (first.out / "checkpoints").iterdir()) == sorted(expected)
+    assert sorted(p.name for p in (first.run.out / "checkpoints").iterdir()) == sorted(expected)
 
 
 def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
@@ -198,18 +197,18 @@ def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
         parts, tmp_path / "run", max_lag=3, sync="gossip:1", inject_delay="2:0.12", epochs=10, checkpoint_every=4
     )
     run_ranks(WORLD, [lagged])
-    lines = records(lagged.out)
+    lines = records(lagged.run.out)
     lags = np.array([r["per_rank"]["lag"] for r in lines])  # [epoch, rank]
     assert lags.max() <= 3 and lags[:, :2].max() > 1, lags.tolist()  # the fast ranks ran ahead
     assert (lags[4] == 1).all() and (lags[8] == 1).all(), lags.tolist()  # but not past a checkpoint
     resumed = {
-        s: replace(lagged, out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True)
+        s: lagged.replace(out=tmp_path / f"resumed-{s}", max_lag=s, inject_delay=None, epochs=11, resume=True)
         for s in (1, 3)
     }
-    for run in resumed.values():
-        shutil.copytree(lagged.out, run.out)
+    for job in resumed.values():
+        shutil.copytree(lagged.run.out, job.run.out)
     run_ranks(WORLD, list(resumed.values()))
-    first, third = records(resumed[1].out), records(resumed[3].out)
+    first, third = records(resumed[1].run.out), records(resumed[3].run.out)
     assert [r["epoch"] for r in first] == [r["epoch"] for r in third] == list(range(1, 12))
     assert first[8]["loss"] == third[8]["loss"] == lines[8]["loss"]
     assert first[8]["per_rank"]["lag"] == third[8]["per_rank"]["lag"] == [1] * WORLD
@@ -219,7 +218,7 @@ def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
         AssertionError,
         match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$",
     ):
-        run_ranks(WORLD, [replace(resumed[1], max_lag=None, epochs=12)])
+        run_ranks(WORLD, [resumed[1].replace(max_lag=None, epochs=12)])
 
 
 def test_stop_signal_checkpoints_at_the_next_sync_point_and_a_requeued_job_resumes(tmp_path, parts2):
@@ -266,7 +265,7 @@ def test_fast_ranks_run_ahead_of_a_slow_rank_within_the_bound(parts, tmp_path, s
     # rank 2 sleeps every epoch; one sync point in the middle (epoch 7) and one at the end
     lagged = config(parts, tmp_path / "lag", sync=sync, inject_delay="2:0.12", epochs=14, eval_every=7, max_lag=3)
     results = run_ranks(WORLD, [lagged])
-    lines = records(lagged.out)
+    lines = records(lagged.run.out)
     lags = np.array([r["per_rank"]["lag"] for r in lines])  # [epoch, rank]
     waits = np.array([r["per_rank"]["lag_wait"] for r in lines])
     assert lags.max() <= 3, lags.tolist()
@@ -280,7 +279,7 @@ def test_fast_ranks_run_ahead_of_a_slow_rank_within_the_bound(parts, tmp_path, s
     for rank in (1, 2):  # one model at the end
         for name, value in results[0][0]["params"].items():
             assert np.array_equal(results[rank][0]["params"][name], value), (rank, name)
-    report = json.loads((lagged.out / "report.json").read_text())
+    report = json.loads((lagged.run.out / "report.json").read_text())
     assert all(r["lag"] >= 1 and r["time_lag_wait"] >= 0 for r in report["ranks"])
     assert report["summary"]["lag"]["max"] <= 3
 
@@ -293,16 +292,18 @@ def test_a_seed_repeats_while_every_rank_used_the_previous_epochs_versions(parts
     exactly (with S = 1 too) up to the first epoch where some rank used an older version
     than the previous epoch's; without delays that is rare, and the records say where."""
     one = config(parts, tmp_path / "one", max_lag=1, epochs=10)
-    first, second = replace(one, max_lag=3, out=tmp_path / "a"), replace(one, max_lag=3, out=tmp_path / "b")
+    first, second = one.replace(max_lag=3, out=tmp_path / "a"), one.replace(max_lag=3, out=tmp_path / "b")
     run_ranks(WORLD, [one, first, second])
-    reference = losses_of(one.out)
-    for run in (first, second):
-        lines = records(run.out)
+    reference = losses_of(one.run.out)
+    for job in (first, second):
+        lines = records(job.run.out)
         lags = [max(r["per_rank"]["lag"]) for r in lines]
         assert max(lags) <= 3
         same = next((e for e, lag in enumerate(lags) if lag > 1), len(lags))  # epochs before the first older version
-        print(f"{run.out.name}: lag per epoch {lags}; equal to S = 1 for {same} of {len(lags)} epochs")  # pytest -rP
-        assert losses_of(run.out)[:same] == reference[:same]
+        print(
+            f"{job.run.out.name}: lag per epoch {lags}; equal to S = 1 for {same} of {len(lags)} epochs"
+        )  # pytest -rP
+        assert losses_of(job.run.out)[:same] == reference[:same]
 
 
 # --- failures ------------------------------------------------------------------------------------
@@ -345,7 +346,7 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
 )
 def test_bad_combinations_are_refused_in_one_line(kw, words):
     with pytest.raises(UserError) as info:
-        validate(replace(TrainConfig(), **kw))
+        validate(TrainConfig.from_settings(**kw))
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
@@ -362,7 +363,7 @@ def test_auto_exchange_on_several_nodes_resolves_to_direct(parts, tmp_path):
     """Where auto alone would choose the node-aware exchange (two machines, one with two
     ranks), --max-lag makes it direct: the same run as --exchange direct."""
     lagged = config(parts, tmp_path / "auto", max_lag=1, epochs=3)
-    direct = replace(lagged, exchange="direct", out=tmp_path / "direct")
+    direct = lagged.replace(exchange="direct", out=tmp_path / "direct")
     run_ranks(WORLD, [lagged, direct], nodes=[0, 0, 1])
-    assert json.loads((lagged.out / "config.json").read_text())["exchange"] == "direct"
-    assert losses_of(lagged.out) == losses_of(direct.out)
+    assert json.loads((lagged.run.out / "config.json").read_text())["exchange"] == "direct"
+    assert losses_of(lagged.run.out) == losses_of(direct.run.out)

@@ -593,8 +593,8 @@ def test_torchrun_rank_resumes_after_elastic_restart(tmp_path, monkeypatch, caps
     clean_environment["TORCHELASTIC_RESTART_COUNT"] = "0"
     assert run_cli(["--procs", "2", "--out", "run", "--epochs", "3"], capsys)[0] == 0
     resumed, fresh = trained
-    assert (resumed.resume, fresh.resume) == (True, False)
-    assert (resumed.device, resumed.parts_dir, resumed.epochs, resumed.threads) == (
+    assert (resumed.checkpoint.resume, fresh.checkpoint.resume) == (True, False)
+    assert (resumed.run.device, resumed.data.parts_dir, resumed.run.epochs, resumed.run.threads) == (
         "cpu",
         (tmp_path / "parts" / "two").resolve(),
         3,
@@ -618,7 +618,7 @@ def test_torchrun_restart_without_out_warns_and_starts_fresh(tmp_path, monkeypat
     assert status == 0
     assert "using partition set parts/two" in out  # rank 0 tells which set it took
     assert "restart 2 (TORCHELASTIC_RESTART_COUNT) without --out starts a new run" in err
-    assert trained[0].resume is False
+    assert trained[0].checkpoint.resume is False
 
 
 def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environment):
@@ -649,7 +649,7 @@ def test_slurm_task_runs_one_rank(tmp_path, monkeypatch, capsys, clean_environme
         "LOCAL_RANK": "0",
     }
     assert launch_info() == {"mode": "slurm", "job_id": "64242", "nodes": ["cn5", "cn6"]}
-    assert trained[0].device == "cpu"
+    assert trained[0].run.device == "cpu"
 
 
 def test_rank_mode_errors_carry_the_rank(tmp_path, monkeypatch, capsys, clean_environment):
@@ -741,7 +741,7 @@ def test_slurm_task_resumes_after_requeue(tmp_path, monkeypatch, capsys, clean_e
     status, _, err = run_cli(["--epochs", "2"], capsys)  # no --out: nothing to resume from
     assert status == 0
     assert "restart 2 (SLURM_RESTART_COUNT) without --out starts a new run" in err
-    assert [c.resume for c in trained] == [True, False]
+    assert [c.checkpoint.resume for c in trained] == [True, False]
 
 
 def test_too_many_launchers_per_node_are_refused(tmp_path, monkeypatch, capsys, clean_environment):

@@ -98,7 +98,9 @@ def test_gcn_with_precomputed_aggregation_draws_no_input_mask(monkeypatch):
     x, x_agg = torch.randn(5, 4), torch.randn(5, 4)
     for name, reads_x in (("gcn", False), ("graphsage", True)):
         masked.clear()
-        net = model_module.GNN(TrainConfig(model=name, layers=1, hidden=3, dropout=0.5), 4, 3, lambda t: t)
+        net = model_module.GNN(
+            TrainConfig.from_settings(model=name, layers=1, hidden=3, dropout=0.5), 4, 3, lambda t: t
+        )
         net(x, None, x_agg)
         assert any(t is x for t in masked) == reads_x, name
         assert any(t is x_agg for t in masked), name

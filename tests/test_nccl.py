@@ -91,9 +91,9 @@ def test_sampled_inductive_run(tmp_path, device):
     )
     run_ranks(2, [config])
     boundary = [int(graph.train_mask[np.load(parts / f"part-{r}" / "boundary_nodes.npy")].sum()) for r in range(2)]
-    records = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if "epoch" in r]
-    assert len(epochs) == config.epochs
+    assert len(epochs) == config.run.epochs
     for record in epochs:
         assert np.isfinite(record["loss"])
         # one bit per induced boundary node; p of them move, up to one per rank and owner

@@ -22,7 +22,6 @@ and its gradient at those entries alone.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -82,7 +81,7 @@ def parts(graph, tmp_path_factory):
 def _losses(config) -> list[float]:
     return [
         line["loss"]
-        for line in map(json.loads, (config.out / "metrics.jsonl").read_text().splitlines())
+        for line in map(json.loads, (config.run.out / "metrics.jsonl").read_text().splitlines())
         if "loss" in line
     ]
 
@@ -137,12 +136,13 @@ def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None =
     layer order); assert the same losses, every step's gradients and the final parameters,
     bit for bit, on every rank; return the pairs of runs' reports (rank by rank)."""
     dense = [
-        replace(c, nonzero_rows="off", out=c.out.with_name(c.out.name.replace("nonzero", "dense"))) for c in nonzero
+        c.replace(nonzero_rows="off", out=c.run.out.with_name(c.run.out.name.replace("nonzero", "dense")))
+        for c in nonzero
     ]
     results_nonzero = run_ranks(world, nonzero, nodes=nodes, instrument=record_gradients)
     results_dense = run_ranks(world, dense, nodes=nodes, instrument=record_gradients_aggregating_first)
     for i, (a, b) in enumerate(zip(nonzero, dense)):
-        label = f"{a.model} precompute={a.use_precompute} norm={a.norm} remat={a.remat} layers={a.layers}"
+        label = f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} remat={a.model.remat} layers={a.model.layers}"
         assert _losses(a) == _losses(b), label
         for rank in range(world):
             run_a, run_b = results_nonzero[rank][i], results_dense[rank][i]
@@ -151,7 +151,9 @@ def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None =
                     np.testing.assert_array_equal(ga, gb, err_msg=label)
             for name in run_a["params"]:
                 np.testing.assert_array_equal(run_a["params"][name], run_b["params"][name], err_msg=f"{label} {name}")
-    return [(a, list(zip(report.load(a.out)["ranks"], report.load(b.out)["ranks"]))) for a, b in zip(nonzero, dense)]
+    return [
+        (a, list(zip(report.load(a.run.out)["ranks"], report.load(b.run.out)["ranks"]))) for a, b in zip(nonzero, dense)
+    ]
 
 
 def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
@@ -168,10 +170,10 @@ def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
         for ra, rb in rank_reports:
             for kind in ("features", "gradients"):
                 sent_nonzero, sent_dense = ra["per_epoch"][f"sent_{kind}"], rb["per_epoch"][f"sent_{kind}"]
-                if config.model == "gat":
+                if config.model.name == "gat":
                     assert sent_nonzero == sent_dense, kind
                 else:  # a quarter of the hidden rows' entries is nonzero, about
-                    assert sent_nonzero < 0.8 * sent_dense, (config.model, kind, sent_nonzero, sent_dense)
+                    assert sent_nonzero < 0.8 * sent_dense, (config.model.name, kind, sent_nonzero, sent_dense)
 
 
 def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
@@ -186,7 +188,7 @@ def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
             assert ra["per_epoch"]["intra_node_features"] > 0  # rows were relayed inside the machine
             for kind in ("features", "gradients"):
                 across_a, across_b = ra["per_epoch"][f"inter_node_{kind}"], rb["per_epoch"][f"inter_node_{kind}"]
-                assert across_a < 0.8 * across_b, (config.model, kind, across_a, across_b)
+                assert across_a < 0.8 * across_b, (config.model.name, kind, across_a, across_b)
 
 
 @pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])

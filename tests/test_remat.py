@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,18 +97,18 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
         _sampled(m, False, parts, tmp_path / f"plain-int8-{m}", compress="int8", compress_grad="none")
         for m in ("graphsage", "gat")
     ]
-    remat = [replace(c, remat=True, out=c.out.with_name(c.out.name.replace("plain", "remat"))) for c in plain]
+    remat = [c.replace(remat=True, out=c.run.out.with_name(c.run.out.name.replace("plain", "remat"))) for c in plain]
     results = run_ranks(2, plain + remat, instrument=record_gradients)
     for i, (a, b) in enumerate(zip(plain, remat)):
-        label = f"{a.model} precompute={a.use_precompute} norm={a.norm} staleness={a.staleness} compress={a.compress}"
-        assert _losses(b.out) == pytest.approx(_losses(a.out), rel=1e-5, abs=1e-6), label
+        label = f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} staleness={a.exchange.staleness} compress={a.exchange.compress}"
+        assert _losses(b.run.out) == pytest.approx(_losses(a.run.out), rel=1e-5, abs=1e-6), label
         for rank in range(2):
             steps_a, steps_b = results[rank][i]["instrumented"], results[rank][len(plain) + i]["instrumented"]
-            assert len(steps_a) == len(steps_b) == a.epochs
+            assert len(steps_a) == len(steps_b) == a.run.epochs
             for grads_a, grads_b in zip(steps_a, steps_b):
                 for ga, gb in zip(grads_a, grads_b):
                     np.testing.assert_allclose(gb, ga, rtol=1e-4, atol=1e-6, err_msg=label)
-        report_a, report_b = report.load(a.out), report.load(b.out)
+        report_a, report_b = report.load(a.run.out), report.load(b.run.out)
         for ra, rb in zip(report_a["ranks"], report_b["ranks"]):
             for kind in ("features", "gradients", "selections"):  # recomputed layers move no rows
                 assert rb["per_epoch"][f"sent_{kind}"] == ra["per_epoch"][f"sent_{kind}"], (label, kind)
@@ -118,7 +117,7 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
             # norm stays outside the segments, decoded int8 rows are kept (no view of an
             # exchange buffer): less, by less.
             saved = (ra["saved_activation_bytes"], rb["saved_activation_bytes"])
-            halved = a.model == "graphsage" and a.norm == "layer" and a.compress == "none"
+            halved = a.model.name == "graphsage" and a.model.norm == "layer" and a.exchange.compress == "none"
             assert saved[1] * (2 if halved else 1) < saved[0], (label, saved)
 
 

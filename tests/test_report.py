@@ -227,7 +227,7 @@ def test_two_rank_run_writes_a_complete_report_with_bytes_computable_by_hand(tmp
     parts = partition(graph, 2, tmp_path / "parts", method="random")
 
     def config(p: float) -> TrainConfig:
-        return TrainConfig(
+        return TrainConfig.from_settings(
             parts_dir=parts,
             p=p,
             model="graphsage",

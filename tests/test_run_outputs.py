@@ -40,7 +40,7 @@ def test_metrics_log_json_and_config(tmp_path):
     parts = partition(graph, 2, tmp_path / "parts")
     run_dir, copy = tmp_path / "run", tmp_path / "copy.jsonl"
     # precompute left to the run (None): config.json must say what it chose
-    config = TrainConfig(
+    config = TrainConfig.from_settings(
         parts_dir=parts,
         p=0.5,
         model="graphsage",
@@ -60,7 +60,7 @@ def test_metrics_log_json_and_config(tmp_path):
     assert copy.read_text() == text
     records = [json.loads(line) for line in text.splitlines()]
     epochs, summary = records[:-1], records[-1]
-    assert [r["epoch"] for r in epochs] == list(range(1, config.epochs + 1))
+    assert [r["epoch"] for r in epochs] == list(range(1, config.run.epochs + 1))
     evaluated = [r for r in epochs if SCORE_KEYS <= r.keys()]
     assert [r["epoch"] for r in evaluated] == [2, 4, 5]  # every eval_every epochs, and the last
     for r in epochs:
@@ -132,16 +132,18 @@ def test_several_gradient_buckets_match_single_process(tmp_path):
     ]
     one_rank = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     for config in configs:  # the ranks build the same reducer: it has several buckets
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.run.seed)
         model = GNN(config, graph.features.shape[1], graph.num_classes, lambda t: t)
-        assert len(GradientReducer(model.parameters_in_forward_order(), one_rank, config.bucket_bytes).buckets) >= 3
+        assert (
+            len(GradientReducer(model.parameters_in_forward_order(), one_rank, config.sync.bucket_bytes).buckets) >= 3
+        )
     results = run_ranks(2, configs)
     for i, config in enumerate(configs):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
 
 
 def test_buckets_follow_the_order_backward_produces_gradients():
-    config = TrainConfig(model="graphsage", layers=4, hidden=256, norm="layer")
+    config = TrainConfig.from_settings(model="graphsage", layers=4, hidden=256, norm="layer")
     model = GNN(config, 602, 41, lambda t: t)  # Reddit's widths
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for p in model.parameters_in_forward_order()]
@@ -149,11 +151,11 @@ def test_buckets_follow_the_order_backward_produces_gradients():
     blocks = list(dict.fromkeys(".".join(n.split(".")[:2]) for n in order))
     assert blocks == ["layers.0", "norms.0", "layers.1", "norms.1", "layers.2", "norms.2", "layers.3"]
     one_rank = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
-    buckets = GradientReducer(model.parameters_in_forward_order(), one_rank, config.bucket_bytes).buckets
+    buckets = GradientReducer(model.parameters_in_forward_order(), one_rank, config.sync.bucket_bytes).buckets
     assert len(buckets) >= 2  # the default size lets reduction start before backward ends
     assert names[id(buckets[0][0])].startswith("layers.3.")  # the first gradients backward produces
 
 
 def test_bucket_size_must_be_positive():
     with pytest.raises(UserError, match="--bucket-mb 0.0 must be positive"):
-        validate(TrainConfig(bucket_mb=0.0))
+        validate(TrainConfig.from_settings(bucket_mb=0.0))

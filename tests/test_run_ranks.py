@@ -21,7 +21,7 @@ def test_each_call_passes_the_tests_current_environment(tmp_path, monkeypatch):
     parts = partition(random_graph(), 2, tmp_path / "parts")
     config = dict(parts_dir=parts, layers=2, hidden=4, epochs=1, seed=0, device="cpu")
     monkeypatch.setenv(ENV_VAR, "numba")
-    before = run_ranks(2, [TrainConfig(**config, out=tmp_path / "numba")], instrument=kernels_in_use)
+    before = run_ranks(2, [TrainConfig.from_settings(**config, out=tmp_path / "numba")], instrument=kernels_in_use)
     monkeypatch.setenv(ENV_VAR, "torch")
-    after = run_ranks(2, [TrainConfig(**config, out=tmp_path / "torch")], instrument=kernels_in_use)
+    after = run_ranks(2, [TrainConfig.from_settings(**config, out=tmp_path / "torch")], instrument=kernels_in_use)
     assert [rank[0]["instrumented"] for rank in before + after] == ["numba_backend"] * 2 + ["torch_backend"] * 2

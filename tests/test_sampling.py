@@ -67,7 +67,7 @@ def _config(parts, out, **kw) -> TrainConfig:
         seed=11,
         precompute=False,
     )
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_settings(**(base | kw))
 
 
 def test_exchanged_rows_p0_and_reproducibility(tmp_path):
@@ -83,7 +83,7 @@ def test_exchanged_rows_p0_and_reproducibility(tmp_path):
         _config(parts, tmp_path / "p1", p=1.0),
     ]
     results = run_ranks(2, configs)
-    a, b, c, zero, one = (_metrics(cfg.out) for cfg in configs)
+    a, b, c, zero, one = (_metrics(cfg.run.out) for cfg in configs)
 
     # p of each owner's boundary rows move each epoch (up to one row per owner), and
     # exactly those rows' bytes; selections cost one bit per boundary node

@@ -1,20 +1,13 @@
-"""Every training flag is defined once (bnsgcn/config.py): the parser is built from the
-dataclass, and docs/cli.md's table of training flags must agree with both."""
+"""Every training flag is defined once (bnsgcn/config/sections.py): the parser is built from the
+sections' dataclasses, and docs/cli.md's table of training flags must agree with both."""
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import fields
 from pathlib import Path
 
-from bnsgcn.config import (
-    TrainConfig,
-    add_arguments,
-    flag_name,
-    from_args,
-    shown_default,
-)
+from bnsgcn.config import SETTINGS, TrainConfig, add_arguments, flag_name, from_args, shown_default
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
@@ -43,9 +36,9 @@ def test_docs_table_lists_exactly_the_parser_flags_with_their_defaults():
     assert set(documented) == parser_flags, (
         f"only in docs: {set(documented) - parser_flags}; only in the parser: {parser_flags - set(documented)}"
     )
-    for f in fields(TrainConfig):
+    for _, f in SETTINGS.values():
         if f.default is not None and not isinstance(f.default, bool) and "shown" not in f.metadata:
-            cell = documented[flag_name(f.name)]
+            cell = documented[flag_name(f)]
             assert cell.startswith(f"`{shown_default(f)}`"), (f.name, cell, shown_default(f))
 
 
@@ -57,4 +50,9 @@ def test_parser_defaults_are_the_dataclass_defaults():
             ["--no-precompute", "--resume", "--out", "x", "--staleness", "1", "--stale-smoothing", "0.5"]
         )
     )
-    assert (flipped.precompute, flipped.resume, flipped.staleness, flipped.stale_smoothing) == (False, True, 1, 0.5)
+    assert (
+        flipped.model.precompute,
+        flipped.checkpoint.resume,
+        flipped.exchange.staleness,
+        flipped.exchange.stale_smoothing,
+    ) == (False, True, 1, 0.5)

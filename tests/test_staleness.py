@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +66,7 @@ class StaleReference:
         """Per rank: bool [N], the boundary nodes it samples in ``epoch``."""
         out = []
         for r, (nodes, counts) in enumerate(self.boundary):
-            keep = sample_boundary(counts, self.config.p, self.config.seed, r, epoch)
+            keep = sample_boundary(counts, self.config.exchange.p, self.config.run.seed, r, epoch)
             mask = torch.zeros(self.graph.num_nodes, dtype=torch.bool)
             mask[nodes[keep]] = True
             out.append(mask)
@@ -82,7 +81,7 @@ class StaleReference:
             own = norm[rows][:, rows] @ s[rows]
             cols = sampled[r]
             out = out.index_put(
-                (rows.nonzero().flatten(),), own + norm[rows][:, cols] @ remote[r][cols] / self.config.p
+                (rows.nonzero().flatten(),), own + norm[rows][:, cols] @ remote[r][cols] / self.config.exchange.p
             )
         return out
 
@@ -92,7 +91,7 @@ class StaleReference:
             rows = self.part_of_t == r
             z_src = torch.where(rows[:, None, None], z, remote_z[r])
             usable = rows | sampled[r]
-            weight = torch.where(rows, 1.0, 1.0 / self.config.p).double()
+            weight = torch.where(rows, 1.0, 1.0 / self.config.exchange.p).double()
             s_src = (z_src * p["att_src"]).sum(-1)
             s_dst = (z[rows] * p["att_dst"]).sum(-1)
             e = F.leaky_relu(s_dst[:, None, :] + s_src[None, :, :], 0.2) + torch.log(weight)[None, :, None]
@@ -105,7 +104,7 @@ class StaleReference:
     def train(self, smoothing: float | None = None) -> tuple[list[float], dict[str, Tensor]]:
         c = self.config
         params = {k: v.requires_grad_(True) for k, v in initial_params(c, self.graph).items() if "running" not in k}
-        opt = torch.optim.Adam(params.values(), lr=c.lr, weight_decay=c.weight_decay)
+        opt = torch.optim.Adam(params.values(), lr=c.optim.lr, weight_decay=c.optim.weight_decay)
         labels = torch.from_numpy(self.graph.labels)
         train_mask = torch.from_numpy(self.graph.train_mask)
         mean_norm = self.a / self.deg[:, None]
@@ -116,7 +115,7 @@ class StaleReference:
         stale_grads: dict[int, Tensor] = {}
         grad_average: dict[int, Tensor] = {}
         losses = []
-        for epoch in range(c.epochs):
+        for epoch in range(c.run.epochs):
             sampled = self.sampled(epoch)
             leaves: dict[int, list[Tensor]] = {}
             sent: dict[int, Tensor] = {}
@@ -146,22 +145,22 @@ class StaleReference:
                 return values
 
             h = self.x
-            for i in range(c.layers):
-                last = i == c.layers - 1
+            for i in range(c.model.layers):
+                last = i == c.model.layers - 1
                 p = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
-                if c.model in ("graphsage", "gcn") and i == 0:  # precomputed: the exact full-graph aggregation
-                    norm = mean_norm if c.model == "graphsage" else sym_norm
-                    if c.model == "graphsage":
+                if c.model.name in ("graphsage", "gcn") and i == 0:  # precomputed: the exact full-graph aggregation
+                    norm = mean_norm if c.model.name == "graphsage" else sym_norm
+                    if c.model.name == "graphsage":
                         h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + (norm @ self.x) @ p["lin_neigh.weight"].T
                     else:
                         h = (norm @ self.x) @ p["lin.weight"].T + p["bias"]
-                elif c.model == "graphsage":
+                elif c.model.name == "graphsage":
                     w_n = p["lin_neigh.weight"]
                     first = w_n.shape[1] > w_n.shape[0]  # multiply first: the product is sent
                     s = h @ w_n.T if first else h
                     agg = self.aggregate(mean_norm, s, remote(i, s), sampled)
                     h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + (agg if first else agg @ w_n.T)
-                elif c.model == "gcn":
+                elif c.model.name == "gcn":
                     w = p["lin.weight"]
                     first = w.shape[1] > w.shape[0]
                     s = h @ w.T if first else h
@@ -169,7 +168,7 @@ class StaleReference:
                     h = (agg if first else agg @ w.T) + p["bias"]
                 else:
                     w = p["lin.weight"]
-                    z = (h @ w.T).view(h.shape[0], c.heads, -1)
+                    z = (h @ w.T).view(h.shape[0], c.model.heads, -1)
                     if w.shape[1] < w.shape[0]:  # the layer's input is sent, z computed on arrival
                         remote_z = [(t @ w.T).view(z.shape) for t in remote(i, h)]
                     else:
@@ -177,7 +176,7 @@ class StaleReference:
                     h = self.gat(p, h, z, remote_z, sampled, last)
                 if not last:
                     h = F.layer_norm(h, h.shape[1:], params[f"norms.{i}.weight"], params[f"norms.{i}.bias"])
-                    h = F.elu(h) if c.model == "gat" else F.relu(h)
+                    h = F.elu(h) if c.model.name == "gat" else F.relu(h)
             loss = F.cross_entropy(h[train_mask], labels[train_mask])
             surrogate = sum((sent[layer] * g).sum() for layer, g in stale_grads.items())
             opt.zero_grad()
@@ -223,9 +222,9 @@ def test_staleness_one_equals_the_stale_reference(graph, parts, tmp_path):
     configs = [stale_config(m, parts, tmp_path / f"{m}-{p}-{s}", p=p, stale_smoothing=s) for m, p, s in CASES]
     results = run_ranks(WORLD, configs, nodes=NODES)
     for i, config in enumerate(configs):
-        ref_losses, ref_params = StaleReference(config, graph, parts).train(config.stale_smoothing)
-        label = f"{config.model} p={config.p} smoothing={config.stale_smoothing}"
-        assert losses_of(config.out) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), label
+        ref_losses, ref_params = StaleReference(config, graph, parts).train(config.exchange.stale_smoothing)
+        label = f"{config.model.name} p={config.exchange.p} smoothing={config.exchange.stale_smoothing}"
+        assert losses_of(config.run.out) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), label
         for rank in range(WORLD):
             for name, ref in ref_params.items():
                 got = torch.from_numpy(results[rank][i]["params"][name]).double()
@@ -236,11 +235,11 @@ def test_the_reference_tells_stale_from_exact(graph, parts, tmp_path):
     # The reference's stale path must matter on this graph, or the test above proves nothing.
     config = stale_config("graphsage", parts, tmp_path, p=1.0)
     stale, _ = StaleReference(config, graph, parts).train()
-    exact, _ = StaleReference(replace(config, epochs=1), graph, parts).train()
+    exact, _ = StaleReference(config.replace(epochs=1), graph, parts).train()
     assert stale[0] == exact[0]  # the first epoch is exact
     from .reference import train
 
-    exact_losses, _ = train(replace(config, staleness=0), graph)
+    exact_losses, _ = train(config.replace(staleness=0), graph)
     assert stale[0] == pytest.approx(exact_losses[0], rel=1e-9)
     assert abs(stale[-1] - exact_losses[-1]) > 1e-4
 
@@ -249,25 +248,25 @@ def test_resume_equals_the_uninterrupted_run_and_a_seed_repeats(parts, tmp_path)
     # p < 1, dropout, int8 on the wire, smoothing: every piece of state a resume needs.
     base = dict(p=0.5, dropout=0.3, compress="int8", stale_smoothing=0.8, epochs=7)
     whole = stale_config("gat", parts, tmp_path / "whole", **base)
-    again = replace(whole, out=tmp_path / "again")
-    first = replace(whole, out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
-    rest = replace(first, epochs=7, resume=True)
+    again = whole.replace(out=tmp_path / "again")
+    first = whole.replace(out=tmp_path / "resumed", epochs=4, checkpoint_every=2)
+    rest = first.replace(epochs=7, resume=True)
     results = run_ranks(WORLD, [whole, again, first, rest], nodes=NODES)
-    assert losses_of(whole.out) == losses_of(again.out)
-    assert losses_of(rest.out) == losses_of(whole.out)
+    assert losses_of(whole.run.out) == losses_of(again.run.out)
+    assert losses_of(rest.run.out) == losses_of(whole.run.out)
     for rank in range(WORLD):
         for name, value in results[rank][0]["params"].items():
             assert np.array_equal(results[rank][1]["params"][name], value), name
             assert np.array_equal(results[rank][3]["params"][name], value), name
     # the newest two checkpoints (keep_checkpoints), each with one part per rank
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
-    assert sorted(p.name for p in (first.out / "checkpoints").iterdir()) == sorted(expected)
+    assert sorted(p.name for p in (first.run.out / "checkpoints").iterdir()) == sorted(expected)
     # The stale rows were drawn for p = 0.5: another p cannot continue from them.
     with pytest.raises(
         AssertionError,
         match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume --staleness 1 with those",
     ):
-        run_ranks(WORLD, [replace(rest, p=0.3, epochs=8)], nodes=NODES)
+        run_ranks(WORLD, [rest.replace(p=0.3, epochs=8)], nodes=NODES)
 
 
 def bytes_by_kind(run_dir: Path) -> dict[str, int]:
@@ -289,9 +288,9 @@ def test_staleness_composes_with_every_wire_format(graph, parts, tmp_path):
     run_ranks(WORLD, configs, nodes=NODES)
     reference, _ = StaleReference(configs[0], graph, parts).train()
     for config in configs:
-        deviation = np.abs(np.array(losses_of(config.out)) - reference).max()
-        assert deviation <= WIRE_LOSS_BOUND[config.compress], (config.compress, deviation)
-    sent = {c.compress: bytes_by_kind(c.out) for c in configs}
+        deviation = np.abs(np.array(losses_of(config.run.out)) - reference).max()
+        assert deviation <= WIRE_LOSS_BOUND[config.exchange.compress], (config.exchange.compress, deviation)
+    sent = {c.exchange.compress: bytes_by_kind(c.run.out) for c in configs}
     for kind in ("features", "gradients"):
         assert sent["none"][kind] > 0
         assert sent["fp16"][kind] == sent["bf16"][kind] == sent["none"][kind] // 2

@@ -26,18 +26,17 @@ import random
 import re
 import threading
 import time
-from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
-from bnsgcn.config import TrainConfig, validate
+from bnsgcn.config import TrainConfig, check_world, parse_delays, parse_sync, validate
 from bnsgcn.errors import UserError
 from bnsgcn.sync import averaging as paramsync
 from bnsgcn.sync.averaging import find_partner
-from bnsgcn.sync.stragglers import InjectedDelay, check_world, parse_delays, parse_sync
+from bnsgcn.sync.delay import InjectedDelay
 
 from .distributed import (
     cora_metis,
@@ -64,7 +63,7 @@ def parts2(tmp_path_factory):
 
 
 def small(parts, **kw) -> TrainConfig:
-    base = TrainConfig(
+    base = TrainConfig.from_settings(
         parts_dir=parts,
         p=0.0,
         layers=2,
@@ -76,7 +75,7 @@ def small(parts, **kw) -> TrainConfig:
         timeout=60,
         seed=2,
     )
-    return replace(base, **kw)
+    return base.replace(**kw)
 
 
 def params_of(results, config_index: int = 0, rank: int = 0) -> dict:
@@ -104,7 +103,7 @@ def params_of(results, config_index: int = 0, rank: int = 0) -> dict:
 )
 def test_bad_values_are_refused_in_one_line(kw, words):
     with pytest.raises(UserError) as info:
-        validate(replace(TrainConfig(), **kw))
+        validate(TrainConfig.from_settings(**kw))
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
@@ -156,13 +155,13 @@ def test_delay_draws_are_seeded_and_in_range():
 
 def test_injected_delay_is_reported_as_such_and_allreduce_is_unchanged(tmp_path, parts2):
     plain = small(parts2, p=0.5, out=tmp_path / "plain")
-    flagged = replace(plain, sync="allreduce", inject_delay="1:0.15", out=tmp_path / "flagged")
+    flagged = plain.replace(sync="allreduce", inject_delay="1:0.15", out=tmp_path / "flagged")
     results = run_ranks(2, [plain, flagged])
     for rank in range(2):
         for name, value in params_of(results, 0, rank).items():
             assert np.array_equal(value, params_of(results, 1, rank)[name]), name  # bit-identical
-    lines = [json.loads(line) for line in (flagged.out / "metrics.jsonl").read_text().splitlines()[:-1]]
-    plain_lines = [json.loads(line) for line in (plain.out / "metrics.jsonl").read_text().splitlines()[:-1]]
+    lines = [json.loads(line) for line in (flagged.run.out / "metrics.jsonl").read_text().splitlines()[:-1]]
+    plain_lines = [json.loads(line) for line in (plain.run.out / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert [r["loss"] for r in lines] == [r["loss"] for r in plain_lines]
     for record in lines:
         delay = record["per_rank"]["injected_delay"]
@@ -170,11 +169,11 @@ def test_injected_delay_is_reported_as_such_and_allreduce_is_unchanged(tmp_path,
         assert record["time"]["injected_delay"] == delay[1]
         assert record["time"]["compute"] < 0.15  # the sleep is not compute
         assert record["per_rank"]["steps"] == [1, 1]
-    report = json.loads((flagged.out / "report.json").read_text())
+    report = json.loads((flagged.run.out / "report.json").read_text())
     slow = report["ranks"][1]
     assert slow["time_injected_delay"] >= 0.15 and slow["time_split"]["injected_delay"] >= 0.15
     assert slow["time_split"]["compute_forward"] + slow["time_split"]["compute_backward"] < 0.15
-    assert [r["steps"] for r in report["ranks"]] == [plain.epochs] * 2
+    assert [r["steps"] for r in report["ranks"]] == [plain.run.epochs] * 2
     assert report["summary"]["time_injected_delay"]["straggler"] == 1
 
 
@@ -186,7 +185,7 @@ def test_one_group_and_a_round_of_every_rank_equal_allreduce(tmp_path, parts3):
     every rank's state and gradient (weighted by training nodes) before each step: both are
     the synchronous step, to float rounding (one flat sum, a float64 sum of float32 blobs)."""
     sync = small(parts3, out=tmp_path / "allreduce")
-    others = [replace(sync, sync=mode, out=tmp_path / mode.replace(":", "-")) for mode in ("grouped:2:1", "partial:3")]
+    others = [sync.replace(sync=mode, out=tmp_path / mode.replace(":", "-")) for mode in ("grouped:2:1", "partial:3")]
     results = run_ranks(3, [sync, *others])
     for index in (1, 2):
         for name, value in params_of(results, 0).items():
@@ -197,7 +196,7 @@ def test_one_group_and_a_round_of_every_rank_equal_allreduce(tmp_path, parts3):
 
 def test_gossip_on_two_ranks_equals_partial_two(tmp_path, parts2):
     partial = small(parts2, sync="partial:2", inject_delay="0:0.02", out=tmp_path / "partial")
-    gossip = replace(partial, sync="gossip:1", inject_delay="1:0.02", out=tmp_path / "gossip")
+    gossip = partial.replace(sync="gossip:1", inject_delay="1:0.02", out=tmp_path / "gossip")
     results = run_ranks(2, [partial, gossip])
     for name, value in params_of(results, 0).items():
         assert np.array_equal(params_of(results, 1)[name], value), name
@@ -205,7 +204,7 @@ def test_gossip_on_two_ranks_equals_partial_two(tmp_path, parts2):
 
 def test_partial_round_does_not_depend_on_arrival_order(tmp_path, parts3):
     first = small(parts3, sync="partial:3", inject_delay="0:0.03", out=tmp_path / "a")
-    second = replace(first, inject_delay="2:0.01-0.05", out=tmp_path / "b")
+    second = first.replace(inject_delay="2:0.01-0.05", out=tmp_path / "b")
     results = run_ranks(3, [first, second])
     for name, value in params_of(results, 0).items():
         assert np.array_equal(params_of(results, 1)[name], value), name
@@ -222,10 +221,10 @@ def test_decoupled_modes_end_with_one_model_and_report_waits(tmp_path, parts3, m
     for rank in (1, 2):
         for name, value in params_of(results).items():
             assert np.array_equal(params_of(results, 0, rank)[name], value), (rank, name)
-    lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in lines[:-1]] == list(range(1, 6)) and lines[-1]["summary"]
     assert all(len(r["per_rank"]["sync"]) == 3 and r["per_rank"]["steps"] == [1, 1, 1] for r in lines[:-1])
-    report = json.loads((config.out / "report.json").read_text())
+    report = json.loads((config.run.out / "report.json").read_text())
     assert [r["steps"] for r in report["ranks"]] == [5, 5, 5]
     assert all(r["time_sync"] >= 0 and "sync" in r["time_split"] for r in report["ranks"])
 
@@ -393,7 +392,7 @@ def cora_parts(tmp_path_factory):
 
 def cora_scores(parts, sync: str, out) -> list[float]:
     configs = [
-        TrainConfig(
+        TrainConfig.from_settings(
             parts_dir=parts,
             p=0.0,
             model="graphsage",
@@ -413,7 +412,7 @@ def cora_scores(parts, sync: str, out) -> list[float]:
         for seed in CORA_SEEDS
     ]
     run_ranks(4, configs, timeout=600)
-    return [final_test_score(c.out / "metrics.jsonl", c.epochs) for c in configs]
+    return [final_test_score(c.run.out / "metrics.jsonl", c.run.epochs) for c in configs]
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def parts(tmp_path_factory):
 
 def test_the_warm_up_compiles_every_kernel_signature_training_calls(parts, tmp_path):
     configs = [
-        TrainConfig(
+        TrainConfig.from_settings(
             parts_dir=parts,
             model=model,
             p=p,

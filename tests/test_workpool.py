@@ -126,10 +126,10 @@ def _reference(config: TrainConfig, graph, assignment: np.ndarray, world: int) -
     labels = torch.from_numpy(graph.labels)
     train = torch.from_numpy(graph.train_mask)
     params = {k: v.requires_grad_(True) for k, v in initial_params(config, graph).items()}
-    opt = torch.optim.Adam(params.values(), lr=config.lr)
+    opt = torch.optim.Adam(params.values(), lr=config.optim.lr)
     losses = []
-    for epoch in range(config.epochs):
-        order = pool_order(config.seed, epoch, PARTS).tolist()
+    for epoch in range(config.run.epochs):
+        order = pool_order(config.run.seed, epoch, PARTS).tolist()
         total = 0.0
         for start in range(0, PARTS, world):
             loss_sum, count = 0.0, 0
@@ -137,7 +137,7 @@ def _reference(config: TrainConfig, graph, assignment: np.ndarray, world: int) -
                 nodes = torch.from_numpy(np.flatnonzero(assignment == part))
                 a_kk = mean[nodes][:, nodes]
                 h = None
-                for i in range(config.layers):
+                for i in range(config.model.layers):
                     p = {k.split(".", 2)[2]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
                     if i == 0:
                         h = (
@@ -147,7 +147,7 @@ def _reference(config: TrainConfig, graph, assignment: np.ndarray, world: int) -
                         )
                     else:
                         h = h @ p["lin_self.weight"].T + p["lin_self.bias"] + a_kk @ h @ p["lin_neigh.weight"].T
-                    if i < config.layers - 1:
+                    if i < config.model.layers - 1:
                         h = F.relu(h)
                 rows = train[nodes]
                 loss_sum = loss_sum + F.cross_entropy(h[rows], labels[nodes][rows], reduction="sum")
@@ -177,7 +177,7 @@ def pool_config(parts_dir, out, **overrides) -> TrainConfig:
         work_pool=True,
         out=out,
     )
-    return TrainConfig(**(base | overrides))
+    return TrainConfig.from_settings(**(base | overrides))
 
 
 @pytest.mark.parametrize("world", (1, 2))
@@ -185,7 +185,7 @@ def test_allreduce_pool_equals_the_dense_reference(graph, parts6, tmp_path, worl
     config = pool_config(parts6, tmp_path / "run")
     results = run_ranks(world, [config])
     ref_losses, ref_params = _reference(config, graph, assign(graph, PARTS, method="random", seed=0), world)
-    lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     assert [line["loss"] for line in lines if "loss" in line] == pytest.approx(ref_losses, rel=1e-5)
     for rank_results in results:  # every rank holds the reference's parameters
         for name, ref in ref_params.items():
@@ -211,7 +211,7 @@ def test_every_partition_once_per_epoch_with_a_slow_rank(parts6, tmp_path, sync)
         # Free modes: the fast ranks take more, together. Not each of them: a fast rank that
         # gossips with the slow one waits for it, and the other fast rank may take the rest.
         assert per_rank[0] < sum(per_rank[1:]) / 2, (sync, per_rank)
-    lines = [json.loads(line) for line in (config.out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     assert [sum(line["per_rank"]["steps"]) for line in lines if "per_rank" in line] == [PARTS] * epochs
     params = [r[0]["params"] for r in results]
     for name in params[0]:  # the run ends with one model
@@ -246,7 +246,7 @@ CORA_SEEDS = tuple(range(6))
 def cora_pool_scores(parts, syncs: list[str], out) -> dict[str, float]:
     """Mean test accuracy over CORA_SEEDS per --sync mode, 2 ranks taking the 8 partitions."""
     configs = [
-        TrainConfig(
+        TrainConfig.from_settings(
             parts_dir=parts,
             p=0.0,
             model="graphsage",
@@ -270,7 +270,7 @@ def cora_pool_scores(parts, syncs: list[str], out) -> dict[str, float]:
     run_ranks(2, configs, timeout=900)
     scores = {sync: [] for sync in syncs}
     for c in configs:
-        scores[c.sync].append(final_test_score(c.out / "metrics.jsonl", c.epochs))
+        scores[c.sync.mode].append(final_test_score(c.run.out / "metrics.jsonl", c.run.epochs))
     return {sync: float(np.mean(values)) for sync, values in scores.items()}
 
 
@@ -296,7 +296,7 @@ def test_cora_pool_modes_reach_the_synchronous_accuracy(cora8, tmp_path):
 )
 def test_bad_combinations_are_refused_in_one_line(overrides, words):
     with pytest.raises(UserError, match=words):
-        validate(TrainConfig(work_pool=True, **overrides))
+        validate(TrainConfig.from_settings(work_pool=True, **overrides))
 
 
 def test_launcher_needs_ranks_and_enough_parts(parts6, tmp_path):

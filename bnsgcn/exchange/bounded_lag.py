@@ -114,9 +114,9 @@ def exchange_mode(config, comm: Comm) -> str:
     """``--exchange`` resolved for this job: with ``--max-lag`` ``auto`` is direct (training's
     rows go point to point from owner to requester, so there is nothing to relay inside a
     node), else as :func:`bnsgcn.comm.planners.resolve_mode` decides."""
-    if config.max_lag is not None and config.exchange == "auto":
+    if config.exchange.max_lag is not None and config.exchange.mode == "auto":
         return "direct"
-    return resolve_mode(config.exchange, comm)
+    return resolve_mode(config.exchange.mode, comm)
 
 
 def make_stale_exchange(
@@ -131,27 +131,29 @@ def make_stale_exchange(
     """The training exchange of ``--staleness 1``: :class:`LagExchange` with ``--max-lag``
     (at ``p > 0``), else :class:`bnsgcn.exchange.stale.StaleExchange`; None without staleness. Every
     rank calls it together (building a LagExchange is collective)."""
-    if not config.staleness:
+    if not config.exchange.staleness:
         return None
-    if config.max_lag is None or config.p <= 0.0:
-        if config.max_lag is not None and comm.rank == 0:
-            log.info("--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.max_lag)
-        return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.stale_smoothing)
-    if comm.rank == 0 and config.sync == "allreduce":
+    if config.exchange.max_lag is None or config.exchange.p <= 0.0:
+        if config.exchange.max_lag is not None and comm.rank == 0:
+            log.info(
+                "--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.exchange.max_lag
+            )
+        return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.exchange.stale_smoothing)
+    if comm.rank == 0 and config.sync.mode == "allreduce":
         log.info(
             "--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter",
-            config.max_lag,
+            config.exchange.max_lag,
         )
     return LagExchange(
         comm,
         topology,
         synchronous,
-        config.p,
-        config.seed,
-        config.max_lag,
+        config.exchange.p,
+        config.run.seed,
+        config.exchange.max_lag,
         rows_format,
         grads_format,
-        config.stale_smoothing,
+        config.exchange.stale_smoothing,
     )
 
 

@@ -101,36 +101,38 @@ class GNN(nn.Module):
 
     def __init__(self, config: TrainConfig, in_dim: int, num_classes: int, reduce: Callable[[Tensor], Tensor]):
         super().__init__()
-        self.dropout = config.dropout
-        self.remat = config.remat
+        self.dropout = config.model.dropout
+        self.remat = config.model.remat
         # the output layer may share the segment before it only when nothing between the two
         # draws random numbers that its recomputation would not draw again: the stochastic
         # rounding of int8/int4 rows does, and replayed rows are not rounded again
-        self.merge_output_segment = config.remat and not WireFormat(config.compress).draws_random_numbers
-        self.activation = F.elu if config.model == "gat" else F.relu
+        self.merge_output_segment = config.model.remat and not WireFormat(config.exchange.compress).draws_random_numbers
+        self.activation = F.elu if config.model.name == "gat" else F.relu
         self.layers = nn.ModuleList()
         self.norms = nn.ModuleList()
         self.kept_for_recompute: list[Tensor] = []
         d_in = in_dim
-        for i in range(config.layers):
-            last = i == config.layers - 1
-            d_out = num_classes if last else config.hidden
-            if config.model == "graphsage":
+        for i in range(config.model.layers):
+            last = i == config.model.layers - 1
+            d_out = num_classes if last else config.model.hidden
+            if config.model.name == "graphsage":
                 # the first layer's input rows (features) need no gradient back, products' rows would
-                layer: nn.Module = SAGEConv(d_in, d_out, slot=i, exchange_input=i == 0 or config.nonzero_rows == "on")
-            elif config.model == "gcn":
+                layer: nn.Module = SAGEConv(
+                    d_in, d_out, slot=i, exchange_input=i == 0 or config.exchange.nonzero_rows == "on"
+                )
+            elif config.model.name == "gcn":
                 layer = GCNConv(d_in, d_out, slot=i)
             else:
-                layer = GATConv(d_in, d_out, config.heads, slot=i, concat=not last)
-                d_out = d_out * (1 if last else config.heads)
+                layer = GATConv(d_in, d_out, config.model.heads, slot=i, concat=not last)
+                d_out = d_out * (1 if last else config.model.heads)
             self.layers.append(layer)
             if not last:
-                self.norms.append(_norm(config.norm, d_out, reduce))
+                self.norms.append(_norm(config.model.norm, d_out, reduce))
             d_in = d_out
         # Recomputed for backward (--remat), an output layer that multiplies first needs only its dense
         # products: its aggregation keeps nothing, and its output goes unused (see _layer).
         self.replay_skips_aggregation = [
-            i == config.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)
+            i == config.model.layers - 1 and layer.cheap_to_recompute for i, layer in enumerate(self.layers)
         ]
         # A hidden layer followed by the fused layer norm + ReLU leaves its bias to that pass
         # (added as the norm reads its rows, its gradient summed as backward writes them):

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -33,7 +33,7 @@ import bnsgcn
 from bnsgcn.comm.communicator import Comm, init_from_env
 from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
 from bnsgcn.comm.wire import WireFormat
-from bnsgcn.config import TrainConfig
+from bnsgcn.config import TrainConfig, check_flags, parse_delays, parse_sync
 from bnsgcn.data.format import set_id
 from bnsgcn.data.sampler import derive_seed, sample_boundary
 from bnsgcn.data.shard import Shard, Topology, load_shard
@@ -78,12 +78,10 @@ from bnsgcn.sync.averaging import (
     EpochTables,
     LocalExchange,
     ParameterSync,
-    checkpoints,
-    evaluates,
     make_sync,
 )
+from bnsgcn.sync.delay import InjectedDelay
 from bnsgcn.sync.pool_averaging import make_pool_sync
-from bnsgcn.sync.stragglers import InjectedDelay, check_flags, parse_delays, parse_sync
 from bnsgcn.sync.workpool import WorkPool
 
 SPLITS = ("train", "val", "test")
@@ -108,15 +106,15 @@ class GraphInputs:
 
 def run(config: TrainConfig) -> dict:
     """Run one rank of the job described by the environment (see :func:`bnsgcn.comm.communicator.init_from_env`)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
     memory.return_freed_memory()  # before any data: freed temporaries leave the process
-    comm = init_from_env(config.device, config.timeout, pipelined=config.staleness > 0)
+    comm = init_from_env(config.run.device, config.run.timeout, pipelined=config.exchange.staleness > 0)
     # After a failure the groups are left as they are: a peer may be dead or hung, and
     # tearing down a group with a collective in flight can block or abort the process,
     # which then hides the real error. The process ends right after anyway.
     try:
-        with stop_on_signals(config.checkpoint_every > 0) as stop:
+        with stop_on_signals(config.checkpoint.every > 0) as stop:
             summary = _train(config, comm, stop)
     except Exception as exc:
         if is_peer_failure(exc):  # name the rank that caused it, if the store knows
@@ -137,7 +135,7 @@ def run(config: TrainConfig) -> dict:
 def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
     """Rank 0 picks and creates the run directory; every rank learns it."""
     error = None
-    run_dir = config.out
+    run_dir = config.run.out
     if comm.rank == 0:
         if run_dir is None:
             run_dir = Path("runs") / (datetime.now().strftime("%Y%m%d-%H%M%S") + run_name_suffix(launch_info()))
@@ -145,9 +143,9 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        if not config.resume and checkpoint.has_checkpoints(run_dir):
+        if not config.checkpoint.resume and checkpoint.has_checkpoints(run_dir):
             error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
-        folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint_every else [])
+        folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint.every else [])
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -172,10 +170,10 @@ def _graph_inputs(
     labels: Tensor,
     train_mask: Tensor,
 ) -> GraphInputs:
-    graph = ShardGraph(topology, config.model, comm.device)
-    planner = make_planner(comm, topology, config.exchange)
+    graph = ShardGraph(topology, config.model.name, comm.device)
+    planner = make_planner(comm, topology, config.exchange.mode)
     x_agg = None
-    if config.use_precompute:
+    if config.model.use_precompute:
         # The first layer's aggregation never changes: compute it once over the full graph.
         boundary_x = fetch_boundary(comm, topology, features)
         with torch.no_grad():
@@ -281,18 +279,19 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
     metrics = _open_run_files(job, start_epoch)
     samples = _Samples(job)
     comm.stats.reset()  # setup traffic is not an epoch's
-    progress = Progress(config.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
+    progress = Progress(config.run.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
     tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
     gathered = EpochTables(comm, job.sync.decoupled)
     started = time.perf_counter()
     last_loss = float("nan")
-    for epoch in range(start_epoch, config.epochs):
+    for epoch in range(start_epoch, config.run.epochs):
         comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
         account = EpochAccount(comm.device)
         scores = None
         # where every rank meets: every epoch, or with a decoupled --sync only before
         # evaluations, checkpoints and the end, where parameters are averaged first
-        sync_point = job.sync.is_sync_point(epoch + 1, config.eval_every, config.checkpoint_every, config.epochs)
+        scheduled = config.evaluation.due(epoch + 1, config.run.epochs) or config.checkpoint.due(epoch + 1)
+        sync_point = job.sync.is_sync_point(scheduled)
         with account.timed("epoch"):  # device time on CUDA (bnsgcn.metrics.timing)
             with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
                 if job.pool is not None:
@@ -302,7 +301,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
             if sync_point and job.sync.decoupled:
                 with account.timed("sync"):
                     job.sync.average_all()
-            if evaluates(config.eval_every, config.epochs, epoch + 1):
+            if config.evaluation.due(epoch + 1, config.run.epochs):
                 with account.timed("evaluation"):
                     job.exchange.release()  # training's buffers are idle until the next epoch
                     if job.buffers is not None:
@@ -383,31 +382,40 @@ def _run_warmup(rank: int) -> str:
 def _setup(config: TrainConfig, comm: Comm) -> Job:
     """Load the shard, build both graphs, the model, optimizer, reducer and exchanges; then
     (only for input that passed every check) the run directory and its log."""
-    if config.parts_dir is None:
+    if config.data.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
     _compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
-    config = replace(
-        config, exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.nonzero_rows, comm)
+    config = config.replace(
+        exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.exchange.nonzero_rows, comm)
     )
     pool = (
-        WorkPool(comm, config.parts_dir, config.model, config.use_precompute, config.seed, config.verify)
-        if config.work_pool
+        WorkPool(
+            comm,
+            config.data.parts_dir,
+            config.model.name,
+            config.model.use_precompute,
+            config.run.seed,
+            config.data.verify,
+        )
+        if config.sync.work_pool
         else None
     )
     # with a pool, this rank's shard (evaluation) is the union of its share of the partitions
     shard = (
-        pool.merged_shard() if pool else load_shard(config.parts_dir, comm.rank, comm.world_size, verify=config.verify)
+        pool.merged_shard()
+        if pool
+        else load_shard(config.data.parts_dir, comm.rank, comm.world_size, verify=config.data.verify)
     ).to(comm.device)
     topo = shard.topology
     eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
-    train_inputs = _inductive_inputs(config, comm, shard) if config.inductive else eval_inputs
+    train_inputs = _inductive_inputs(config, comm, shard) if config.data.inductive else eval_inputs
     local_train = int(train_inputs.train_index.numel())
     global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
     if global_train == 0:
-        raise UserError(f"{config.parts_dir} has no training nodes; check the dataset's train mask")
+        raise UserError(f"{config.data.parts_dir} has no training nodes; check the dataset's train mask")
     run_dir = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
     log.info(
@@ -420,13 +428,13 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         comm.backend,
         comm.node,
         comm.nodes.count,
-        config.exchange,
+        config.exchange.mode,
     )
-    torch.manual_seed(config.seed)  # identical initial parameters on every rank
+    torch.manual_seed(config.run.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
-    rows_format, grads_format = WireFormat(config.compress), WireFormat(config.grad_wire_format)
-    optimizer = Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    exchange = BoundaryExchange(comm, rows_format, grads_format, nonzero_rows=config.nonzero_rows == "on")
+    rows_format, grads_format = WireFormat(config.exchange.compress), WireFormat(config.exchange.grad_wire_format)
+    optimizer = Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    exchange = BoundaryExchange(comm, rows_format, grads_format, nonzero_rows=config.exchange.nonzero_rows == "on")
     return Job(
         config=config,
         resolved=config.resolved(run_dir, comm.device.type, torch.get_num_threads()),
@@ -441,32 +449,32 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         optimizer=optimizer,
         sync=(
             make_pool_sync(
-                parse_sync(config.sync),
+                parse_sync(config.sync.mode),
                 comm,
                 model,
                 optimizer,
                 local_train,
                 global_train,
-                config.seed,
+                config.run.seed,
                 log,
                 pool.num_parts,
             )
             if pool
             else make_sync(
-                parse_sync(config.sync),
+                parse_sync(config.sync.mode),
                 comm,
                 model,
                 optimizer,
-                config.bucket_bytes,
+                config.sync.bucket_bytes,
                 local_train,
                 global_train,
-                config.seed,
+                config.run.seed,
                 log,
             )
         ),
-        delay=InjectedDelay(parse_delays(config.inject_delay), comm.rank, config.seed),
+        delay=InjectedDelay(parse_delays(config.sync.inject_delay), comm.rank, config.run.seed),
         exchange=exchange,
-        evaluation=Evaluation(comm, config.eval_buffer_bytes),
+        evaluation=Evaluation(comm, config.evaluation.buffer_bytes),
         # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.exchange.bounded_lag)
         stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
         pool=pool,
@@ -482,7 +490,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
 
 def _resume(job: Job) -> tuple[int, Best]:
     """The first epoch to run and the best model so far: from the checkpoint with --resume."""
-    if not job.config.resume:
+    if not job.config.checkpoint.resume:
         return 0, Best()
     state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale)
     if state is None:
@@ -510,7 +518,7 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
     }
     (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
     return MetricsWriter(
-        [job.run_dir / "metrics.jsonl"] + ([job.config.log_json] if job.config.log_json else []),
+        [job.run_dir / "metrics.jsonl"] + ([job.config.run.log_json] if job.config.run.log_json else []),
         keep_epochs=start_epoch,
     )
 
@@ -536,8 +544,10 @@ class _Samples:
 
     def _draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
         config, inputs = self.job.config, self.job.train_inputs
-        keep = sample_boundary(inputs.topology.boundary_counts, config.p, config.seed, self.job.comm.rank, epoch)
-        return keep, inputs.planner.sample(keep, config.p)
+        keep = sample_boundary(
+            inputs.topology.boundary_counts, config.exchange.p, config.run.seed, self.job.comm.rank, epoch
+        )
+        return keep, inputs.planner.sample(keep, config.exchange.p)
 
 
 def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount) -> None:
@@ -549,9 +559,11 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
     with account.timed("sampling"):
         keep, plan = samples.draw(epoch)
         # at p = 0 no row travels: no per-layer all-to-all (of empty rows) holds ranks together
-        g = inputs.graph.epoch(keep, config.p, plan, LocalExchange() if config.p == 0 else job.stale or job.exchange)
+        g = inputs.graph.epoch(
+            keep, config.exchange.p, plan, LocalExchange() if config.exchange.p == 0 else job.stale or job.exchange
+        )
     job.model.train()
-    seed_step(derive_seed(config.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
+    seed_step(derive_seed(config.run.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
     resident = lambda: [
         inputs.features,
         inputs.x_agg,
@@ -601,7 +613,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             sync.not_busy(time.perf_counter() - building)  # a partition's graph is built once
             num_train = inputs.num_train
             # dropout drawn per partition and epoch: a step does not depend on the rank taking it
-            seed_step(derive_seed(job.config.seed, taken[1], epoch, 1), job.comm.device)
+            seed_step(derive_seed(job.config.run.seed, taken[1], epoch, 1), job.comm.device)
             with account.timed("forward"):
                 logits = model(inputs.features, inputs.graph, inputs.x_agg)
                 part_loss = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
@@ -644,7 +656,7 @@ def _write_epoch(
 def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
     """Every rank, after ``epoch``, on a stop signal: checkpoint this epoch (unless the
     schedule just did), then end the job (:mod:`bnsgcn.run.stopping`)."""
-    if not checkpoints(job.config.checkpoint_every, epoch):
+    if not job.config.checkpoint.due(epoch):
         _checkpoint(job, epoch, best, now=True)
     name = signal.Signals(signum).name
     raise JobStopped(
@@ -657,14 +669,17 @@ def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
 def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
     """Every --checkpoint-every epochs (or ``now``): each rank's stale part, then rank 0's checkpoint."""
     config, comm = job.config, job.comm
-    if not config.checkpoint_every:
+    if not config.checkpoint.every:
         return
-    if not (now or checkpoints(config.checkpoint_every, epoch)):
+    if not (now or config.checkpoint.due(epoch)):
         return  # no barrier either: with a decoupled --sync, ranks meet only at sync points
     if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
         job.stale.drain()
         checkpoint.save_part(
-            job.run_dir, epoch, comm.rank, {"sample": {"p": config.p, "seed": config.seed}, **job.stale.state_dict()}
+            job.run_dir,
+            epoch,
+            comm.rank,
+            {"sample": {"p": config.exchange.p, "seed": config.run.seed}, **job.stale.state_dict()},
         )
         comm.barrier()
     if comm.rank == 0:
@@ -674,7 +689,7 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
             "best": dict(vars(best)),
             "signature": job.signature,
         }
-        checkpoint.save(job.run_dir, epoch, state, config.keep_checkpoints)
+        checkpoint.save(job.run_dir, epoch, state, config.checkpoint.keep)
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
 
@@ -717,7 +732,7 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
     ]  # optimizer steps each rank took in this run
     summary = {
         "summary": True,
-        "epochs": config.epochs,
+        "epochs": config.run.epochs,
         "final_loss": last_loss,
         "best_val_score": best.val_score,
         "best_epoch": best.epoch,
@@ -775,7 +790,7 @@ def _load_checkpoint(
             stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
             p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
             path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
-            if (p, seed) != (config.p, config.seed):  # the stale rows belong to those samples
+            if (p, seed) != (config.exchange.p, config.run.seed):  # the stale rows belong to those samples
                 raise UserError(
                     f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out"
                 )

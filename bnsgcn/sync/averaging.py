@@ -65,23 +65,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.config import SyncMode
 from bnsgcn.errors import PeerLost, peer_lost_message
 from bnsgcn.metrics.accounting import COLUMNS, INDEX, EpochAccount
 from bnsgcn.nn.optim import Adam
 from bnsgcn.sync.reducer import GradientReducer
-from bnsgcn.sync.stragglers import SyncMode
 
 POLL_S = 0.002  # between looks at the store while pairing (a round trip is ~0.1 ms)
-
-
-def evaluates(eval_every: int, epochs: int, epoch: int) -> bool:
-    """Whether the job evaluates after ``epoch`` (1-based): every ``eval_every``, and the last."""
-    return bool(eval_every and epoch % eval_every == 0) or epoch == epochs
-
-
-def checkpoints(checkpoint_every: int, epoch: int) -> bool:
-    """Whether the job writes a checkpoint after ``epoch`` (1-based) on its schedule."""
-    return bool(checkpoint_every and epoch % checkpoint_every == 0)
 
 
 class ParameterSync:
@@ -103,8 +93,9 @@ class ParameterSync:
     def average_all(self) -> None:
         """Every rank: make all parameters equal (a sync point)."""
 
-    def is_sync_point(self, epoch: int, eval_every: int, checkpoint_every: int, epochs: int) -> bool:
-        """Whether every rank meets after ``epoch`` (1-based): always, here."""
+    def is_sync_point(self, scheduled: bool) -> bool:
+        """Whether every rank meets after this epoch (``scheduled``: an evaluation or a
+        checkpoint follows it): always, here."""
         return True
 
 
@@ -168,8 +159,8 @@ class Decoupled(ParameterSync):
         self.comm.all_reduce(weighted, "reduction")
         self.load(_weighted_mean(weighted))
 
-    def is_sync_point(self, epoch: int, eval_every: int, checkpoint_every: int, epochs: int) -> bool:
-        return evaluates(eval_every, epochs, epoch) or checkpoints(checkpoint_every, epoch)
+    def is_sync_point(self, scheduled: bool) -> bool:
+        return scheduled
 
     def _lost(self, what: str) -> PeerLost:
         """A wait on other ranks ran past --timeout: name the rank that stopped, if known."""

@@ -97,8 +97,8 @@ class PoolAllReduce(PoolSync, Grouped):
     def after_pool_step(self, epoch: int) -> None:
         """Every rank holds the same parameters already."""
 
-    def is_sync_point(self, epoch: int, eval_every: int, checkpoint_every: int, epochs: int) -> bool:
-        return ParameterSync.is_sync_point(self, epoch, eval_every, checkpoint_every, epochs)
+    def is_sync_point(self, scheduled: bool) -> bool:
+        return ParameterSync.is_sync_point(self, scheduled)
 
     def average_all(self) -> None:
         """Every rank holds the same parameters already."""

@@ -1,0 +1,57 @@
+"""Training configuration: the settings in sections, their flags and their checks.
+
+* :mod:`~bnsgcn.config.sections`: one frozen dataclass per part of the job, gathered in
+  :class:`TrainConfig`: every setting's default and help, defined once;
+* :mod:`~bnsgcn.config.flags`: the command-line parser built from them;
+* :mod:`~bnsgcn.config.checks`: what a run refuses, in one line each.
+"""
+
+from bnsgcn.config.checks import (
+    SyncMode,
+    check_flags,
+    check_pool_size,
+    check_world,
+    parse_delays,
+    parse_sync,
+    validate,
+)
+from bnsgcn.config.flags import add_arguments, from_args, shown_default
+from bnsgcn.config.sections import (
+    SETTINGS,
+    WIRE_FORMATS,
+    CheckpointConfig,
+    DataConfig,
+    EvaluationConfig,
+    ExchangeConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    SyncConfig,
+    TrainConfig,
+    flag_name,
+)
+
+__all__ = [
+    "SETTINGS",
+    "WIRE_FORMATS",
+    "CheckpointConfig",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExchangeConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SyncConfig",
+    "SyncMode",
+    "TrainConfig",
+    "add_arguments",
+    "check_flags",
+    "check_pool_size",
+    "check_world",
+    "flag_name",
+    "from_args",
+    "parse_delays",
+    "parse_sync",
+    "shown_default",
+    "validate",
+]
