@@ -148,7 +148,8 @@ def test_unknown_wire_format_is_one_line_error(tmp_path, flag):
 def test_gradients_of_compressed_rows_reach_their_owners():
     """One rank: the exchange's backward decodes what its forward's sender receives."""
     from bnsgcn.comm.communicator import Comm
-    from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
+    from bnsgcn.comm.plan import ExchangePlan
+    from bnsgcn.exchange.synchronous import BoundaryExchange
 
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     plan = ExchangePlan(torch.tensor([2, 0, 2]), [3], [3])

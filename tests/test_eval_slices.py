@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from bnsgcn.comm.plan import ExchangePlan, Relay
 from bnsgcn.data.format import load_partition
-from bnsgcn.exchange.synchronous import ExchangePlan, Relay
 from bnsgcn.metrics import report
 from bnsgcn.run import evaluate
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bnsgcn.comm.communicator import Comm
-from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
+from bnsgcn.comm.plan import ExchangePlan
+from bnsgcn.exchange.synchronous import BoundaryExchange
 from bnsgcn.kernels import Adjacency
 
 

@@ -10,10 +10,11 @@ import weakref
 import torch
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.wire import EXACT, WireFormat
 from bnsgcn.data.shard import Topology
 from bnsgcn.exchange.stale import StaleExchange
-from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
+from bnsgcn.exchange.synchronous import BoundaryExchange
 
 
 def _one_rank() -> Comm:
@@ -110,7 +111,7 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
     """One GraphSAGE layer, 6 -> 6 columns, over a world of one whose 4 inner rows are also
     its boundary columns: (output, gradients of input and weights, bytes kept for backward
     in tensors of a row per node, as the input)."""
-    from bnsgcn.exchange.synchronous import full_plan
+    from bnsgcn.comm.plan import full_plan
     from bnsgcn.nn.graph import ShardGraph
     from bnsgcn.nn.layers import SAGEConv
 

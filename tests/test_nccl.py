@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import fetch_boundary, make_plan
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import load_shard
-from bnsgcn.exchange.synchronous import fetch_boundary, make_plan
 
 from . import reference
 from .distributed import partition, random_graph, run_ranks

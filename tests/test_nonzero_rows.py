@@ -1,4 +1,4 @@
-"""Boundary rows that cross as their nonzero entries (:func:`bnsgcn.exchange.synchronous.start_nonzero_rows`).
+"""Boundary rows that cross as their nonzero entries (:func:`bnsgcn.exchange.transfers.start_nonzero_rows`).
 
 A hidden layer that aggregates first exchanges its input, a ReLU's output after dropout: a
 zero entry passes no gradient back, so its row crosses as a bitmap and the nonzero entries,
@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from bnsgcn.comm.communicator import Comm
-from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan
+from bnsgcn.comm.plan import ExchangePlan
+from bnsgcn.exchange.synchronous import BoundaryExchange
 from bnsgcn.metrics import report
 
 from . import reference

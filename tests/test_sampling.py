@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from bnsgcn.comm.plan import full_plan, pack_segments, unpack_segments
 from bnsgcn.config import TrainConfig
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import load_shard
-from bnsgcn.exchange.synchronous import full_plan, pack_segments, unpack_segments
 from bnsgcn.kernels import spmm
 from bnsgcn.nn.graph import ShardGraph
 

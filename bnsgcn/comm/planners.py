@@ -6,7 +6,7 @@ k times.
 
 Node-aware (the DGCL idea, specialised to two levels): the row crosses once, to one of those
 k ranks, its *delegate*, which relays it to the other k - 1 over the node's fast local path
-(:class:`~bnsgcn.exchange.synchronous.Relay`). Backward, the k gradient rows are summed at the delegate
+(:class:`~bnsgcn.comm.plan.Relay`). Backward, the k gradient rows are summed at the delegate
 and one row crosses back. Inter-node rows per layer drop from the sum over remote ranks to
 the size of the union over remote nodes, by the boundary rows' replication factor.
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from bnsgcn.comm.communicator import Comm
-from bnsgcn.data.shard import Topology
-from bnsgcn.exchange.synchronous import (
+from bnsgcn.comm.plan import (
     ExchangePlan,
     Relay,
     empty_plan,
@@ -36,6 +35,7 @@ from bnsgcn.exchange.synchronous import (
     pack_segments,
     unpack_segments,
 )
+from bnsgcn.data.shard import Topology
 
 _ROW_BITS = 40  # a union key is (owner or node) << 40 | row: rows below 2**40
 
@@ -48,7 +48,7 @@ def resolve_mode(mode: str, comm: Comm) -> str:
 
 
 class DirectPlanner:
-    """Direct plans (:func:`bnsgcn.exchange.synchronous.make_plan`)."""
+    """Direct plans (:func:`bnsgcn.comm.plan.make_plan`)."""
 
     def __init__(self, comm: Comm, topology: Topology) -> None:
         self.comm, self.topology = comm, topology

@@ -61,7 +61,7 @@ class Topology:
 
         Degrees of kept inner nodes are recounted from the kept edges; boundary degrees
         are set to 0 and must be filled in from their owners (see
-        :func:`bnsgcn.exchange.synchronous.fetch_boundary`). ``keep_send`` [sum(send_counts)] marks
+        :func:`bnsgcn.comm.plan.fetch_boundary`). ``keep_send`` [sum(send_counts)] marks
         the send entries whose node the requesting rank keeps (i.e. ``keep_inner`` of
         the sent row, since inner nodes are kept on the owner's decision).
         """

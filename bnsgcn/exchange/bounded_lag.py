@@ -94,13 +94,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.planners import resolve_mode
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import Topology, segment_counts
 from bnsgcn.errors import PeerLost, peer_lost_message
 from bnsgcn.exchange.stale import DelayedFlight, StaleExchange
-from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan, InFlightRows
+from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
 
 ROWS, GRADS, END = 0, 1, 2
 HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype (both on the wire)

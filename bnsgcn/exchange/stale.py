@@ -33,14 +33,13 @@ import torch
 from torch import Tensor
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.data.shard import Topology
-from bnsgcn.exchange.synchronous import (
-    BoundaryExchange,
+from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
+from bnsgcn.exchange.transfers import (
     Buffer,
-    ExchangePlan,
     GradBuffers,
-    InFlightRows,
     decode_rows,
     finish_grad_relay,
     finish_grads,

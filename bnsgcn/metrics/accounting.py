@@ -14,12 +14,15 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
-from bnsgcn.comm.communicator import Comm
 from bnsgcn.metrics.timing import DeviceClock
+
+if TYPE_CHECKING:  # hints only: every stage reports here, and this module imports none of them
+    from bnsgcn.comm.communicator import Comm
 
 CATEGORIES = ("features", "gradients", "selections", "reduction", "evaluation", "control")
 # injected_delay: --inject-delay's sleep (a testing aid, never compute); sync: waits on other

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.data.shard import Topology
 from bnsgcn.exchange.stale import StaleExchange
-from bnsgcn.exchange.synchronous import BoundaryExchange, ExchangePlan, InFlightRows
+from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
 from bnsgcn.kernels import Adjacency, spmm, spmm_add_
 
 NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}

@@ -39,14 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.wire import EXACT
-from bnsgcn.exchange.synchronous import (
-    BoundaryExchange,
-    Buffer,
-    ExchangePlan,
-    finish_rows,
-    start_rows,
-)
+from bnsgcn.exchange.synchronous import BoundaryExchange
+from bnsgcn.exchange.transfers import Buffer, finish_rows, start_rows
 from bnsgcn.kernels import gat_aggregate, spmm, spmm_add_
 from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import GATConv, GCNConv, SAGEConv

@@ -31,6 +31,7 @@ from torch import Tensor
 
 import bnsgcn
 from bnsgcn.comm.communicator import Comm, init_from_env
+from bnsgcn.comm.plan import ExchangePlan, fetch_boundary
 from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.config import TrainConfig, check_flags, parse_delays, parse_sync
@@ -47,12 +48,7 @@ from bnsgcn.errors import (
 )
 from bnsgcn.exchange.bounded_lag import LagExchange, exchange_mode, make_stale_exchange
 from bnsgcn.exchange.stale import StaleExchange
-from bnsgcn.exchange.synchronous import (
-    BoundaryExchange,
-    ExchangePlan,
-    fetch_boundary,
-    resolve_nonzero_rows,
-)
+from bnsgcn.exchange.synchronous import BoundaryExchange, resolve_nonzero_rows
 from bnsgcn.kernels import cross_entropy_rows
 from bnsgcn.kernels.backend import kernel_backend, seed_step
 from bnsgcn.kernels.buffers import BufferPool, pooled

@@ -32,12 +32,12 @@ import torch
 from torch import Tensor
 
 from bnsgcn.comm.communicator import Comm
+from bnsgcn.comm.plan import empty_plan
 from bnsgcn.config import check_pool_size
 from bnsgcn.data.format import load_partition
 from bnsgcn.data.sampler import derive_seed
 from bnsgcn.data.shard import Shard, Topology, load_shard
 from bnsgcn.errors import UserError
-from bnsgcn.exchange.synchronous import empty_plan
 from bnsgcn.nn.graph import EpochGraph, ShardGraph
 from bnsgcn.sync.averaging import LocalExchange
 
