@@ -33,32 +33,32 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 # the GPU there, so the call waits for it (each is listed in docs/training.md); "host": the
 # tensor lives on the CPU on every device (the topology, samples, the gathered table).
 SITES = {
-    "exchange.exchange_selections:cpu": "device",  # the selection bits (p < 1)
-    "exchange.start_nonzero_rows:tolist": "device",  # entries per peer (--nonzero-rows on)
-    "hierarchy.NodeAwarePlanner.sample:cpu": "device",  # the node's selection bits (node-aware, p < 1)
-    "accounting.EpochAccount.row:__float__": "device",  # the loss, at the epoch's end
-    "accounting.EpochAccount.gather:cpu": "device",  # every rank's figures, at the epoch's end
-    "train._evaluate:cpu": "device",  # the scores (evaluated epochs)
-    "sampler.sample_boundary:tolist": "host",
-    "exchange.pack_segments:numpy": "host",
-    "exchange.unpack_segments:numpy": "host",
-    "exchange.make_plan:__getitem__": "host",
-    "shard.segment_counts:tolist": "host",
-    "shard.segment_counts:tensor": "host",  # on the mask's device: the CPU (samples, selections)
-    "graph.ShardGraph.epoch:__getitem__": "host",
-    "graph.ShardGraph.epoch:__int__": "host",
-    "hierarchy.NodeAwarePlanner.sample:__getitem__": "host",
-    "hierarchy.NodeAwarePlanner._plan:__getitem__": "host",
-    "hierarchy.NodeAwarePlanner._plan:__setitem__": "host",
-    "hierarchy.NodeAwarePlanner._plan:bincount": "host",
-    "hierarchy.NodeAwarePlanner._plan:nonzero": "host",
-    "hierarchy.NodeAwarePlanner._plan:tolist": "host",
-    "hierarchy._delegates:__setitem__": "host",
-    "stale.StaleExchange.prepare:nonzero": "host",
+    "comm.plan.exchange_selections:cpu": "device",  # the selection bits (p < 1)
+    "exchange.transfers.start_nonzero_rows:tolist": "device",  # entries per peer (--nonzero-rows on)
+    "comm.planners.NodeAwarePlanner.sample:cpu": "device",  # the node's selection bits (node-aware, p < 1)
+    "metrics.accounting.EpochAccount.row:__float__": "device",  # the loss, at the epoch's end
+    "metrics.accounting.EpochAccount.gather:cpu": "device",  # every rank's figures, at the epoch's end
+    "run.train._evaluate:cpu": "device",  # the scores (evaluated epochs)
+    "data.sampler.sample_boundary:tolist": "host",
+    "comm.plan.pack_segments:numpy": "host",
+    "comm.plan.unpack_segments:numpy": "host",
+    "comm.plan.make_plan:__getitem__": "host",
+    "data.shard.segment_counts:tolist": "host",
+    "data.shard.segment_counts:tensor": "host",  # on the mask's device: the CPU (samples, selections)
+    "nn.graph.ShardGraph.epoch:__getitem__": "host",
+    "nn.graph.ShardGraph.epoch:__int__": "host",
+    "comm.planners.NodeAwarePlanner.sample:__getitem__": "host",
+    "comm.planners.NodeAwarePlanner._plan:__getitem__": "host",
+    "comm.planners.NodeAwarePlanner._plan:__setitem__": "host",
+    "comm.planners.NodeAwarePlanner._plan:bincount": "host",
+    "comm.planners.NodeAwarePlanner._plan:nonzero": "host",
+    "comm.planners.NodeAwarePlanner._plan:tolist": "host",
+    "comm.planners._delegates:__setitem__": "host",
+    "exchange.stale.StaleExchange.prepare:nonzero": "host",
     "kernels.backend.draw_seed:__int__": "host",  # a dropout seed drawn on the CPU (RecomputedDropout)
-    "train._train:__float__": "host",
-    "train._epoch_record:numpy": "host",  # the gathered table is on the CPU (rank 0 only)
-    "train._scores:tolist": "host",
+    "run.train._train:__float__": "host",
+    "run.train._epoch_record:numpy": "host",  # the gathered table is on the CPU (rank 0 only)
+    "run.train._scores:tolist": "host",
 }
 
 
@@ -151,7 +151,7 @@ def test_epoch_account_resolves_phases_once():
     comm = Comm(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), timeout=1.0)
     account.values["loss_sum"] = torch.tensor(3.5)  # left on the device until the epoch's end
     row = account.gather(comm)[0].tolist()
-    values = dict(zip(__import__("bnsgcn.metrics.accounting").accounting.COLUMNS, row))
+    values = dict(zip(__import__("bnsgcn.metrics.accounting").metrics.accounting.COLUMNS, row))
     assert FakeEvent.log.count("synchronize") == 1
     assert values["loss_sum"] == 3.5
     assert (
@@ -194,7 +194,7 @@ def test_all_to_all_refuses_splits_nccl_would_refuse():
 def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says, expected):
     """NCCL refuses a second rank on a GPU (two launchers on one machine, each numbering its
     GPUs from 0): the job ends in one line naming the fix; other NCCL errors pass unchanged."""
-    from bnsgcn.comm.communicator import communicator as comm_module
+    from bnsgcn.comm import communicator as comm_module
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -260,7 +260,7 @@ def test_recorder_names_engine_reads_and_ignores_others():
         torch.ones(2).to(torch.device("cpu"), non_blocking=True)
         mask = torch.tensor([True, False])
         torch.ones(2)[mask]
-    assert recorder.sites == {"train._scores:tolist": 1}
+    assert recorder.sites == {"run.train._scores:tolist": 1}
 
 
 def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
@@ -296,9 +296,9 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
     assert sorted(SITES.keys() - seen) == [], "listed sites no longer occur: drop them from SITES and docs/training.md"
     full = {site for rank in results for site in rank[3]["instrumented"]}
     assert {s for s in full if SITES[s] == "device"} == {
-        "accounting.EpochAccount.row:__float__",
-        "accounting.EpochAccount.gather:cpu",
-        "train._evaluate:cpu",
+        "metrics.accounting.EpochAccount.row:__float__",
+        "metrics.accounting.EpochAccount.gather:cpu",
+        "run.train._evaluate:cpu",
     }
     documented = DOCS.read_text()
     for site, kind in SITES.items():

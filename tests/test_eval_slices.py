@@ -1,4 +1,4 @@
-"""Evaluation in column slices (bnsgcn.run.evaluate): the same logits as the unsliced pass and as
+"""Evaluation in column slices (bnsgcn.run.evaluate, bnsgcn.exchange.sliced): the same logits as the unsliced pass and as
 the dense float64 reference, for every model, with direct and node-aware exchange; smaller
 buffers in the memory report."""
 
@@ -10,6 +10,7 @@ import torch
 
 from bnsgcn.comm.plan import ExchangePlan, Relay
 from bnsgcn.data.format import load_partition
+from bnsgcn.exchange.sliced import slice_width
 from bnsgcn.metrics import report
 from bnsgcn.run import evaluate
 
@@ -104,13 +105,13 @@ def test_slice_width_bounds_both_buffers():
         )
         return ExchangePlan(torch.zeros(sent, dtype=torch.int64), [sent], [received], relay)
 
-    assert evaluate.slice_width(plan(10, 20), (64,), 4, 20 * 4 * 5) == 5  # receive-bound
-    assert evaluate.slice_width(plan(40, 20), (64,), 4, 20 * 4 * 5) == 2  # send-bound
-    assert evaluate.slice_width(plan(10, 20, relayed=80), (64,), 4, 20 * 4 * 5) == 1  # relay-bound
-    assert evaluate.slice_width(plan(10, 20), (4, 16), 4, 20 * 4 * 4 * 3) == 3  # gat: a column of every head
-    assert evaluate.slice_width(plan(10, 20), (64,), 4, 1) == 1  # at least one column
-    assert evaluate.slice_width(plan(10, 20), (64,), 4, 1 << 30) == 64  # at most all
-    assert evaluate.slice_width(plan(0, 0), (8,), 4, 16) == 4  # no boundary row: no division by 0
+    assert slice_width(plan(10, 20), (64,), 4, 20 * 4 * 5) == 5  # receive-bound
+    assert slice_width(plan(40, 20), (64,), 4, 20 * 4 * 5) == 2  # send-bound
+    assert slice_width(plan(10, 20, relayed=80), (64,), 4, 20 * 4 * 5) == 1  # relay-bound
+    assert slice_width(plan(10, 20), (4, 16), 4, 20 * 4 * 4 * 3) == 3  # gat: a column of every head
+    assert slice_width(plan(10, 20), (64,), 4, 1) == 1  # at least one column
+    assert slice_width(plan(10, 20), (64,), 4, 1 << 30) == 64  # at most all
+    assert slice_width(plan(0, 0), (8,), 4, 16) == 4  # no boundary row: no division by 0
 
 
 def test_report_shows_smaller_evaluation_buffers(tmp_path):

@@ -195,10 +195,15 @@ def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
 @pytest.mark.parametrize(("keys", "expected"), [(["a", "a"], "off"), (["a", "b"], "on")])
 def test_auto_is_on_when_the_job_spans_machines(keys, expected):
     from bnsgcn.comm.communicator import Nodes
-    from bnsgcn.exchange.synchronous import resolve_nonzero_rows
+    from bnsgcn.config import TrainConfig
+    from bnsgcn.exchange import resolve_exchange_settings
 
     class TwoRanks:
         nodes = Nodes.from_keys(keys)
 
-    assert resolve_nonzero_rows("auto", TwoRanks()) == expected
-    assert resolve_nonzero_rows("off", TwoRanks()) == "off" and resolve_nonzero_rows("on", TwoRanks()) == "on"
+    def resolved(setting: str) -> str:
+        config = TrainConfig.from_settings(nonzero_rows=setting, exchange="direct")
+        return resolve_exchange_settings(config, TwoRanks()).exchange.nonzero_rows
+
+    assert resolved("auto") == expected
+    assert resolved("off") == "off" and resolved("on") == "on"

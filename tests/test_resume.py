@@ -9,6 +9,7 @@ import torch
 from bnsgcn.config import TrainConfig
 from bnsgcn.errors import UserError
 from bnsgcn.run import checkpoint
+from bnsgcn.exchange import LocalExchange
 from bnsgcn.run.train import _load_checkpoint
 
 SIGNATURE = {"model": "graphsage"}
@@ -40,7 +41,7 @@ def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path):
     # Rank 0 chose epoch 2 (say epoch 4 was still being written when it looked): rank 1,
     # which can read epoch 4, still loads epoch 2.
     chosen = checkpoint.checkpoint_dir(tmp_path) / "checkpoint-000002.pt"
-    state, _ = _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, stale=None)
+    state, _ = _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, exchange=LocalExchange())
     assert state["epoch"] == 2
 
 
@@ -52,10 +53,10 @@ def test_a_rank_that_cannot_load_the_choice_stops_the_job(tmp_path):
         UserError,
         match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(\w+\); every rank must see the same run directory",
     ):
-        _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, stale=None)
+        _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, exchange=LocalExchange())
     chosen.unlink()
     with pytest.raises(UserError, match=r"^rank 1: .*checkpoint-000002.pt is missing on this machine"):
-        _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, stale=None)
+        _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, exchange=LocalExchange())
 
 
 def test_newest_skips_a_torn_checkpoint_and_refuses_another_runs(tmp_path):

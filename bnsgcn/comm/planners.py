@@ -21,6 +21,8 @@ share their selections of union rows with one all-gather inside the node.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from bnsgcn.comm.communicator import Comm
@@ -45,6 +47,17 @@ def resolve_mode(mode: str, comm: Comm) -> str:
     if mode == "auto":
         return "hierarchical" if comm.nodes.spans_machines_with_shared_nodes else "direct"
     return mode
+
+
+class Planner(Protocol):
+    """Makes the exchange plans of one topology."""
+
+    def full(self) -> ExchangePlan:
+        """Every boundary row (p = 1, evaluation)."""
+
+    def sample(self, keep: torch.Tensor, p: float) -> ExchangePlan:
+        """The plan for boundary columns ``keep`` (bool [n_boundary]) drawn with probability
+        ``p``; all ranks call together."""
 
 
 class DirectPlanner:
@@ -238,6 +251,6 @@ def _gather_within_node(comm: Comm, values: torch.Tensor) -> list[torch.Tensor]:
     return [row[:n] for row, n in zip(gathered, lengths)]
 
 
-def make_planner(comm: Comm, topology: Topology, mode: str) -> DirectPlanner | NodeAwarePlanner:
+def make_planner(comm: Comm, topology: Topology, mode: str) -> Planner:
     """The planner of an exchange ``mode`` (already resolved: direct or hierarchical)."""
     return NodeAwarePlanner(comm, topology) if mode == "hierarchical" else DirectPlanner(comm, topology)

@@ -81,7 +81,6 @@ injected delays whenever the transfers arrive before they are needed.
 
 from __future__ import annotations
 
-import logging
 import math
 import queue
 import threading
@@ -95,13 +94,14 @@ from torch import Tensor
 
 from bnsgcn.comm.communicator import Comm
 from bnsgcn.comm.plan import ExchangePlan
-from bnsgcn.comm.planners import resolve_mode
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import Topology, segment_counts
 from bnsgcn.errors import PeerLost, peer_lost_message
-from bnsgcn.exchange.stale import DelayedFlight, StaleExchange
+from bnsgcn.exchange.base import Exchange
+from bnsgcn.exchange.stale import DelayedFlight
 from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
+from bnsgcn.metrics.memory import storage_bytes
 
 ROWS, GRADS, END = 0, 1, 2
 HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype (both on the wire)
@@ -109,53 +109,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 TAG = 16
 FOREVER = timedelta(days=365)  # the threads' waits: the training loop's are bounded instead
 SAMPLES_KEPT = 512  # samples drawn for other ranks and for this one, most recently used kept
-
-
-def exchange_mode(config, comm: Comm) -> str:
-    """``--exchange`` resolved for this job: with ``--max-lag`` ``auto`` is direct (training's
-    rows go point to point from owner to requester, so there is nothing to relay inside a
-    node), else as :func:`bnsgcn.comm.planners.resolve_mode` decides."""
-    if config.exchange.max_lag is not None and config.exchange.mode == "auto":
-        return "direct"
-    return resolve_mode(config.exchange.mode, comm)
-
-
-def make_stale_exchange(
-    config,
-    comm: Comm,
-    topology: Topology,
-    synchronous: BoundaryExchange,
-    rows_format: WireFormat,
-    grads_format: WireFormat,
-    log: logging.Logger,
-):
-    """The training exchange of ``--staleness 1``: :class:`LagExchange` with ``--max-lag``
-    (at ``p > 0``), else :class:`bnsgcn.exchange.stale.StaleExchange`; None without staleness. Every
-    rank calls it together (building a LagExchange is collective)."""
-    if not config.exchange.staleness:
-        return None
-    if config.exchange.max_lag is None or config.exchange.p <= 0.0:
-        if config.exchange.max_lag is not None and comm.rank == 0:
-            log.info(
-                "--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", config.exchange.max_lag
-            )
-        return StaleExchange(comm, topology, synchronous, rows_format, grads_format, config.exchange.stale_smoothing)
-    if comm.rank == 0 and config.sync.mode == "allreduce":
-        log.info(
-            "--max-lag %d with --sync allreduce: ranks meet at every step's all-reduce, so none runs ahead; pass a decoupled --sync (grouped, partial, gossip) for it to matter",
-            config.exchange.max_lag,
-        )
-    return LagExchange(
-        comm,
-        topology,
-        synchronous,
-        config.exchange.p,
-        config.run.seed,
-        config.exchange.max_lag,
-        rows_format,
-        grads_format,
-        config.exchange.stale_smoothing,
-    )
 
 
 class _Peer:
@@ -168,11 +121,13 @@ class _Peer:
         self.threads: list[threading.Thread] = []
 
 
-class LagExchange:
+class LagExchange(Exchange):
     """Boundary exchange with bounded lag (see the module). ``synchronous`` serves the first
     epoch; ``topology`` is the training graph's. Collective to build (one gather of every
     rank's ``boundary_counts``, one new process group). ``rows_format`` and ``grads_format``:
     how rows and their gradients travel (see the module)."""
+
+    checkpoint_part = "lag"
 
     def __init__(
         self,
@@ -401,12 +356,21 @@ class LagExchange:
         """This epoch's lag (most epochs behind of any version used) and seconds waited for it."""
         return {"lag": float(self.lag), "time_lag_wait": self.waited}
 
-    def buffers(self) -> list[Tensor | None]:
+    def _held(self) -> list[Tensor | None]:
         """What this rank holds of other ranks' rows and gradients, and the averages."""
         with self.cond:
             held = [t for versions in self.rows.values() for t in versions.values()]
             held += [t for versions in self.grads.values() for _, t in versions.values()]
         return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
+
+    def buffers(self) -> list[Tensor | None]:
+        return self.synchronous.buffers() + self._held()
+
+    def largest_bytes(self) -> int:
+        return self.synchronous.largest_bytes() + storage_bytes(self._held())
+
+    def release(self) -> None:
+        self.synchronous.release()  # the first epoch's; what arrived is for the epochs ahead
 
     def start(
         self,

@@ -36,6 +36,7 @@ from bnsgcn.comm.communicator import Comm
 from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.data.shard import Topology
+from bnsgcn.exchange.base import Exchange
 from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
 from bnsgcn.exchange.transfers import (
     Buffer,
@@ -49,6 +50,7 @@ from bnsgcn.exchange.transfers import (
     start_rows,
 )
 from bnsgcn.kernels import kernel_backend
+from bnsgcn.metrics.memory import storage_bytes
 
 
 @dataclass
@@ -95,9 +97,12 @@ class _Slot:
         self.grad_average: Tensor | None = None  # [len(send_rows), *row]
 
 
-class StaleExchange:
+class StaleExchange(Exchange):
     """Boundary exchange one epoch behind (see the module). ``synchronous`` serves the epochs
-    with no stale rows in hand; ``topology`` is the training graph's."""
+    with no stale rows in hand, and its sampling draws the samples (one epoch ahead);
+    ``topology`` is the training graph's."""
+
+    checkpoint_part = "stale"
 
     def __init__(
         self,
@@ -115,15 +120,33 @@ class StaleExchange:
         self.slots: dict[int, _Slot] = {}
         self.next_plan: ExchangePlan | None = None
         self.next_columns: Tensor | None = None
+        self.ahead: tuple[Tensor, ExchangePlan] | None = None  # the next epoch's sample and plan
 
-    def buffers(self) -> list[Tensor | None]:
-        """Every buffer and running average of every slot, as allocated so far (for memory accounting)."""
+    def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
+        """This epoch's sample and plan (drawn one epoch ahead), and the next epoch's, which
+        this epoch's rows are sent ahead for (:meth:`prepare`); all ranks together."""
+        keep, plan = self.ahead or self.synchronous.draw(epoch)
+        self.ahead = self.synchronous.draw(epoch + 1)
+        self.prepare(self.ahead[1], self.ahead[0])
+        return keep, plan
+
+    def _held(self) -> list[Tensor | None]:
+        """Every buffer and running average of every slot, as allocated so far."""
         out: list[Tensor | None] = []
         for state in self.slots.values():
             grads = state.grad_buffers
             out += [b.storage for b in (state.send, *state.recv, grads.send, grads.recv, grads.relay)]
             out += [state.row_average, state.row_seen, state.grad_average]
         return out
+
+    def buffers(self) -> list[Tensor | None]:
+        return self.synchronous.buffers() + self._held()
+
+    def largest_bytes(self) -> int:
+        return self.synchronous.largest_bytes() + storage_bytes(self._held())
+
+    def release(self) -> None:
+        self.synchronous.release()  # the first epoch's; the stale rows are the next epoch's
 
     def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
         """At the start of an epoch: the next epoch's sample (bool [n_boundary]) and plan,
@@ -158,6 +181,10 @@ class StaleExchange:
         for state in self.slots.values():
             self._rows_arrived(state)
             self._grads_arrived(state)
+
+    def close(self) -> None:
+        """The transfers for the epoch after the last one arrive before the groups close."""
+        self.drain()
 
     # Rows for epoch t+1: the first stage starts in the layer's forward of epoch t; in a
     # node-aware plan the relay inside the node starts when epoch t+1 starts (prepare); the

@@ -15,6 +15,7 @@ import torch
 from bnsgcn.comm.communicator import Comm
 from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.comm.wire import EXACT, WireFormat
+from bnsgcn.exchange.base import Exchange, Sampling
 from bnsgcn.exchange.transfers import (
     Buffer,
     GradBuffers,
@@ -31,17 +32,8 @@ from bnsgcn.exchange.transfers import (
 from bnsgcn.kernels import Adjacency, kernel_backend, spmm, spmm_add_
 
 
-def resolve_nonzero_rows(setting: str, comm: Comm) -> str:
-    """``--nonzero-rows auto`` is on when the job spans several machines: between them the
-    bytes saved cost more than packing and unpacking the rows; over one machine's loopback
-    or NVLink they do not (docs/benchmarks.md, "Results: rows as their nonzero entries")."""
-    if setting == "auto":
-        return "on" if comm.nodes.count > 1 else "off"
-    return setting
-
-
-class BoundaryExchange:
-    """The boundary exchange of one model, reusing its buffers across layers and epochs.
+class BoundaryExchange(Exchange):
+    """The synchronous exchange of one model, reusing its buffers across layers and epochs.
 
     Send and gradient buffers are only alive during a collective and are shared by all
     layers; each layer keeps its own receive buffer because the rows it receives may be
@@ -51,7 +43,9 @@ class BoundaryExchange:
     hands rows on as they arrived, and sums gradients in float32 before they cross.
     ``nonzero_rows``: rows the caller promises need no gradient at zero entries cross as
     their nonzero entries (:meth:`start`); those land in the gradients' send buffer, idle
-    in forward, and are written whole into the layer's receive buffer.
+    in forward, and are written whole into the layer's receive buffer. ``sampling`` draws
+    each training epoch's sample and plan (None for an exchange that serves another:
+    evaluation's, a stale exchange's first epoch).
     """
 
     def __init__(
@@ -60,8 +54,9 @@ class BoundaryExchange:
         rows_format: WireFormat | None = None,
         grads_format: WireFormat | None = None,
         nonzero_rows: bool = False,
+        sampling: Sampling | None = None,
     ) -> None:
-        self.comm = comm
+        self.comm, self.sampling = comm, sampling
         self.rows_format = rows_format or EXACT
         self.grads_format = grads_format or EXACT
         self.nonzero_rows = nonzero_rows
@@ -71,6 +66,10 @@ class BoundaryExchange:
         # ones, never both at once: one buffer serves both (one activation-sized buffer less).
         self.grad_buffers.recv = self.send_buffer
         self.recv_buffers: dict[int, Buffer] = {}
+
+    def draw(self, epoch: int) -> tuple[torch.Tensor, ExchangePlan]:
+        """This epoch's sample and plan, drawn now (all ranks together)."""
+        return self.sampling.draw(epoch)
 
     def _all_buffers(self) -> list[Buffer]:
         grads = self.grad_buffers  # grads.recv is send_buffer

@@ -14,7 +14,7 @@ transposed, and the ``1/p`` of sampled columns is one more column scale:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -22,9 +22,8 @@ import torch
 
 from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.data.shard import Topology
-from bnsgcn.exchange.stale import StaleExchange
-from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
-from bnsgcn.kernels import Adjacency, spmm, spmm_add_
+from bnsgcn.exchange.base import Exchange, InFlight
+from bnsgcn.kernels import Adjacency, gat_aggregate, spmm, spmm_add_
 
 NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
 
@@ -59,13 +58,21 @@ def _split_columns(topology: Topology) -> tuple[tuple[torch.Tensor, torch.Tensor
 
 @dataclass
 class EpochGraph:
-    """What one forward pass aggregates over.
+    """What one forward pass aggregates over, and the primitives a layer aggregates with.
+
+    A layer sees its inner nodes' rows ``x`` [n_inner, *row] and aggregates over this
+    epoch's columns: the inner nodes and the sampled boundary nodes, whose rows their owners
+    send through ``exchange`` (:meth:`aggregate`, :meth:`attend`, :meth:`boundary_rows`);
+    in backward the rows' gradients go back to the owners. ``slot`` numbers the layer's
+    exchange in the pass (each layer its own).
 
     ``inner`` [n_inner, n_inner] and ``boundary`` [n_inner, n_sampled] (columns already
     scaled by ``1/p``) are kept apart so the inner product runs while boundary rows are
     in flight. GAT's softmax couples the two, so it uses ``full``
     [n_inner, n_inner + n_sampled] with ``column_weight`` [n_inner + n_sampled] instead
-    (and has no ``inner`` and ``boundary``; the other models no ``full``).
+    (and has no ``inner`` and ``boundary``; the other models no ``full``). With an exchange
+    that moves column slices (evaluation's, ``exchange.column_slice_bytes`` > 0) the
+    primitives aggregate a slice of columns at a time (:mod:`bnsgcn.exchange.sliced`).
     """
 
     inner: Adjacency | None
@@ -73,7 +80,7 @@ class EpochGraph:
     full: Adjacency | None
     column_weight: torch.Tensor | None
     plan: ExchangePlan
-    exchange: BoundaryExchange | StaleExchange
+    exchange: Exchange
     traffic: str  # the accounting category of the rows moved: "features" (training) or "evaluation"
     # Recomputation in backward (bnsgcn.nn.model): the rows each slot of ``keep_slots``
     # received, kept (detached) in ``kept_rows``, and handed out again instead of exchanged
@@ -86,14 +93,69 @@ class EpochGraph:
     # (set by bnsgcn.nn.model for a training pass; see BoundaryExchange.start).
     nonzero_only_slots: frozenset[int] = field(default=frozenset(), init=False)
 
-    def start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlightRows | _KeptRows:
+    def aggregate(self, x: torch.Tensor, slot: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d]; with
+        ``into`` (a layer's other term, [n_inner, d], which nothing keeps for backward) added
+        into it in place: ``into + A x`` without a temporary.
+
+        The inner columns' product runs while the boundary rows are in flight (and in
+        backward, while their gradients are), in the exchange's node
+        (:meth:`Exchange.start_aggregating <bnsgcn.exchange.base.Exchange.start_aggregating>`).
+        """
+        if self.exchange.column_slice_bytes:
+            return self._aggregate_in_slices(x, into)
+        boundary, out = self._start_aggregation(x, slot, into)
+        return spmm_add_(out, self.boundary, boundary.wait())
+
+    def attend(
+        self,
+        z: torch.Tensor,
+        source_scores: Callable[[torch.Tensor], torch.Tensor],
+        target_scores: torch.Tensor,
+        negative_slope: float,
+        slot: int,
+        from_input: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Multi-head attention over the epoch's columns (self-loops included): for each head,
+        ``sum_u alpha_vu z_u`` with ``alpha_vu`` the softmax over ``u`` of
+        ``w_u exp(LeakyReLU(s_u + t_v))`` (``w_u``: the column weight, ``1/p`` for sampled
+        boundary nodes). ``z`` [n_inner, H, D] the inner nodes' values; ``source_scores``
+        maps values [n, H, D] to ``s`` [n, H]; ``target_scores`` ``t`` [n_inner, H].
+        Returns [n_inner, H, D].
+
+        The boundary nodes' ``z`` come from their owners, or, with ``from_input`` (``x``
+        [n_inner, d_in] and the projection ``x -> z``, where ``d_in`` < ``H * D``), from
+        their ``x`` rows projected here: the narrower rows cross. Moved in column slices,
+        ``z`` crosses (its slices of every head's columns, after the owners' scores ``s``).
+        """
+        if self.exchange.column_slice_bytes:
+            return self._attend_in_slices(z, source_scores(z), target_scores, negative_slope)
+        if from_input is not None:
+            x, project = from_input
+            z_boundary = project(self.boundary_rows(x, slot))
+        else:
+            z_boundary = self.boundary_rows(z, slot)
+        z_all = torch.cat([z, z_boundary])
+        return gat_aggregate(
+            self.full, z_all, source_scores(z_all), target_scores, self.column_weight, negative_slope
+        )
+
+    def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
+        """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners:
+        ``x_inner`` [n_inner, *row] -> [n_sampled, *row]."""
+        if self.exchange.column_slice_bytes:
+            return self._boundary_rows_in_slices(x_inner)
+        return self._start_boundary_rows(x_inner, slot).wait()
+
+    def _start_boundary_rows(self, x_inner: torch.Tensor, slot: int) -> InFlight:
         """Start fetching the rows of the sampled boundary nodes for layer ``slot`` from
         their owners; ``.wait()`` returns them [num_received, *row]. While :meth:`replay`
         is active, the rows this slot received in the forward pass, without any exchange."""
         if self.replaying:
             if self.kept_rows is None or slot not in self.kept_rows:
                 raise RuntimeError(
-                    f"recomputing layer slot {slot}, but its boundary rows were not kept; call keep_rows() before the forward pass"
+                    f"recomputing layer slot {slot}, but its boundary rows were not kept; "
+                    "call keep_rows() before the forward pass"
                 )
             return _KeptRows(self.kept_rows, slot, None)
         flight = self.exchange.start(
@@ -101,26 +163,63 @@ class EpochGraph:
         )
         return self._kept(slot, flight)
 
-    def _kept(self, slot: int, flight: InFlightRows) -> InFlightRows | _KeptRows:
+    def _kept(self, slot: int, flight: InFlight) -> InFlight:
         """``flight``, its rows kept for a recomputation where ``slot`` needs them."""
         return _KeptRows(self.kept_rows, slot, flight) if slot in self.keep_slots else flight
 
-    def start_aggregation(
+    def _start_aggregation(
         self, x_inner: torch.Tensor, slot: int, into: torch.Tensor | None = None
-    ) -> tuple[InFlightRows | _KeptRows, torch.Tensor]:
-        """:meth:`start_boundary_rows`, and while the rows travel the inner columns' product
+    ) -> tuple[InFlight, torch.Tensor]:
+        """:meth:`_start_boundary_rows`, and while the rows travel the inner columns' product
         ``A_inner x_inner`` [n_inner, d] (with ``into``, summed into it in place). Returns
-        both. A :class:`BoundaryExchange` computes the product in its own autograd node,
-        whose backward adds the rows' returned gradients into the product's gradient
-        (:meth:`BoundaryExchange.start_aggregating`); other exchanges, and a recomputation,
-        run it apart."""
-        if self.replaying or not isinstance(self.exchange, BoundaryExchange):
-            rows = self.start_boundary_rows(x_inner, slot)
+        both. The exchange computes the product (the synchronous one in its own autograd
+        node, whose backward adds the rows' returned gradients into the product's gradient);
+        a recomputation runs it apart."""
+        if self.replaying:
+            rows = self._start_boundary_rows(x_inner, slot)
             return rows, spmm(self.inner, x_inner) if into is None else spmm_add_(into, self.inner, x_inner)
         flight, product = self.exchange.start_aggregating(
             x_inner, self.plan, slot, self.inner, into, self.traffic, slot in self.nonzero_only_slots
         )
         return self._kept(slot, flight), product
+
+    def _aggregate_in_slices(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`aggregate` a column slice at a time, summed in the order the whole rows'
+        path sums (``into`` first, then the inner columns, then the boundary ones). The
+        inner product of a slice runs while its boundary rows are in flight."""
+        out = into
+        for columns, part, rows in self.exchange.column_slices(x, self.plan, self.traffic):
+            whole = columns.stop - columns.start == x.shape[1]
+            if into is None:
+                y = spmm(self.inner, part)
+            else:  # one slice sums into ``into`` itself; narrower ones into a copy of its columns
+                y = spmm_add_(into if whole else into[:, columns].contiguous(), self.inner, part)
+            y = spmm_add_(y, self.boundary, rows.wait())
+            if whole:
+                return y  # one slice: no copy
+            if out is None:
+                out = x.new_empty(x.shape)
+            out[:, columns] = y
+        return out
+
+    def _boundary_rows_in_slices(self, x_inner: torch.Tensor) -> torch.Tensor:
+        """:meth:`boundary_rows`, gathered a column slice at a time."""
+        out = x_inner.new_empty((self.plan.num_received, *x_inner.shape[1:]))
+        for columns, _, rows in self.exchange.column_slices(x_inner, self.plan, self.traffic):
+            out[..., columns] = rows.wait()
+        return out
+
+    def _attend_in_slices(
+        self, z: torch.Tensor, score_src: torch.Tensor, score_dst: torch.Tensor, negative_slope: float
+    ) -> torch.Tensor:
+        """:meth:`attend` with every boundary column (p = 1: no column weights), the owners'
+        source scores exchanged first, then ``z`` a slice of every head's columns at a time."""
+        score_src = torch.cat([score_src, self._boundary_rows_in_slices(score_src)])
+        out = z.new_empty(z.shape)
+        for columns, part, rows in self.exchange.column_slices(z, self.plan, self.traffic):
+            z_all = torch.cat([part, rows.wait()])
+            out[..., columns] = gat_aggregate(self.full, z_all, score_src, score_dst, None, negative_slope)
+        return out
 
     def keep_rows(self, slots: frozenset[int]) -> None:
         """Keep the received rows of layer ``slots`` from now on, for :meth:`replay` (only
@@ -131,23 +230,19 @@ class EpochGraph:
 
     @contextmanager
     def replay(self) -> Iterator[None]:
-        """While active, :meth:`start_boundary_rows` hands out the kept rows (the recomputation
-        of a checkpointed layer during backward)."""
+        """While active, the boundary rows a layer asks for are the ones its slot received
+        in the forward pass (the recomputation of a checkpointed layer during backward)."""
         self.replaying = True
         try:
             yield
         finally:
             self.replaying = False
 
-    def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
-        """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners."""
-        return self.start_boundary_rows(x_inner, slot).wait()
-
 
 class _KeptRows:
     """A slot's boundary rows: waited for and kept (``flight`` given), or the kept ones."""
 
-    def __init__(self, kept: dict[int, torch.Tensor], slot: int, flight: InFlightRows | None) -> None:
+    def __init__(self, kept: dict[int, torch.Tensor], slot: int, flight: InFlight | None) -> None:
         self.kept, self.slot, self.flight = kept, slot, flight
 
     def wait(self) -> torch.Tensor:
@@ -201,7 +296,7 @@ class ShardGraph:
         keep: torch.Tensor,
         p: float,
         plan: ExchangePlan,
-        exchange: BoundaryExchange | StaleExchange,
+        exchange: Exchange,
         traffic: str = "features",
     ) -> EpochGraph:
         """The graph for one pass: boundary columns ``keep`` (bool [n_boundary]), weighted ``1/p``."""

@@ -16,7 +16,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from bnsgcn.kernels import gat_aggregate, spmm_add_
 from bnsgcn.kernels.dense import linear_pair, linear_sum
 from bnsgcn.nn.graph import EpochGraph
 
@@ -28,18 +27,6 @@ def narrow_aggregation(lin: nn.Linear) -> bool:
     keeps nothing for backward, so when nothing keeps the layer's output either (the output
     layer) the recomputation runs the products alone (``dense_products``)."""
     return lin.in_features > lin.out_features
-
-
-def aggregate(g: EpochGraph, x: Tensor, slot: int, into: Tensor | None = None) -> Tensor:
-    """``A x`` over inner and sampled boundary columns: [n_inner, d] -> [n_inner, d]; with
-    ``into`` (a layer's other term, [n_inner, d], which nothing keeps for backward) added
-    into it in place: ``into + A x`` without a temporary.
-
-    The inner columns' product runs while the boundary rows are in flight (and in backward,
-    while their gradients are), in the exchange's node (:meth:`EpochGraph.start_aggregation`).
-    """
-    boundary, out = g.start_aggregation(x, slot, into)
-    return spmm_add_(out, g.boundary, boundary.wait())
 
 
 class SAGEConv(nn.Module):
@@ -99,8 +86,8 @@ class SAGEConv(nn.Module):
             # the neighbour term summed into the self term's output (which linear does not
             # keep): no second output [n, d_out] to allocate, fault in and add
             own, neighbour = self.dense_products(x, add_bias)
-            return aggregate(g, neighbour, self.slot, into=own)
-        neighbours = x_agg if x_agg is not None else aggregate(g, x, self.slot)
+            return g.aggregate(neighbour, self.slot, into=own)
+        neighbours = x_agg if x_agg is not None else g.aggregate(x, self.slot)
         # the neighbour product is added inside the GEMM, into the self term's output: no pass of its own
         return linear_sum(
             self.lin_self.bias if add_bias else None, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight)
@@ -143,11 +130,11 @@ class GCNConv(nn.Module):
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
         """``add_bias=False``: without ``+ b`` (see :meth:`SAGEConv.forward`)."""
         if x_agg is None and self.cheap_to_recompute:
-            out = aggregate(g, *self.dense_products(x), self.slot)
+            out = g.aggregate(*self.dense_products(x), self.slot)
             return out + self.bias if add_bias else out
         return linear_sum(
             self.bias if add_bias else None,
-            (x_agg if x_agg is not None else aggregate(g, x, self.slot), self.lin.weight),
+            (x_agg if x_agg is not None else g.aggregate(x, self.slot), self.lin.weight),
         )
 
 
@@ -188,13 +175,14 @@ class GATConv(nn.Module):
         """``add_bias=False``: without ``+ b`` (see :meth:`SAGEConv.forward`)."""
         assert x_agg is None, "GAT has no precomputed first layer"
         z = self.project(x)
-        if self.lin.in_features < self.heads * self.d_out:
-            z_boundary = self.project(g.boundary_rows(x, self.slot))
-        else:
-            z_boundary = g.boundary_rows(z, self.slot)
-        z_all = torch.cat([z, z_boundary])
-        out = gat_aggregate(
-            g.full, z_all, self.source_scores(z_all), self.target_scores(z), g.column_weight, self.negative_slope
+        narrower_input = self.lin.in_features < self.heads * self.d_out
+        out = g.attend(
+            z,
+            self.source_scores,
+            self.target_scores(z),
+            self.negative_slope,
+            self.slot,
+            from_input=(x, self.project) if narrower_input else None,
         )
         return self.combine_heads(out, add_bias)
 

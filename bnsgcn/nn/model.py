@@ -170,7 +170,7 @@ class GNN(nn.Module):
             norm = self.norms[i - 1]
             if isinstance(norm, SyncBatchNorm):  # its all-reduce must run once: outside
                 h = self._segment(
-                    g, self._layer, self._between_layers(norm, h, self.bias_before(i)), i, g, None, always=always[i]
+                    g, self._layer, self._between_layers(norm, h, self._bias_before(i)), i, g, None, always=always[i]
                 )
             elif self.merge_output_segment and i == last - 1 and not isinstance(self.norms[last - 1], SyncBatchNorm):
                 # the output layer joins the segment before it: its recomputation is cheap,
@@ -197,7 +197,7 @@ class GNN(nn.Module):
 
     def _layer(self, y: Tensor, i: int, g: EpochGraph, norm: nn.Module | None) -> Tensor:
         """The step between layers ``i - 1`` and ``i`` (unless done already: ``norm`` None) -> layer ``i``."""
-        h = y if norm is None else self._between_layers(norm, y, self.bias_before(i))
+        h = y if norm is None else self._between_layers(norm, y, self._bias_before(i))
         layer = self.layers[i]
         if g.replaying and self.replay_skips_aggregation[i]:
             return layer.dense_products(h)[0]
@@ -219,7 +219,7 @@ class GNN(nn.Module):
     def _fused(self, norm: nn.Module) -> bool:
         return isinstance(norm, nn.LayerNorm) and self.activation is F.relu
 
-    def bias_before(self, i: int) -> Tensor | None:
+    def _bias_before(self, i: int) -> Tensor | None:
         """The bias of layer ``i - 1`` where the step before layer ``i`` adds it (else None:
         the layer added it)."""
         return self.layers[i - 1].output_bias if self.bias_in_norm[i - 1] else None

@@ -31,12 +31,11 @@ from torch import Tensor
 
 import bnsgcn
 from bnsgcn.comm.communicator import Comm, init_from_env
-from bnsgcn.comm.plan import ExchangePlan, fetch_boundary
+from bnsgcn.comm.plan import fetch_boundary
 from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
-from bnsgcn.comm.wire import WireFormat
 from bnsgcn.config import TrainConfig, check_flags, parse_delays, parse_sync
 from bnsgcn.data.format import set_id
-from bnsgcn.data.sampler import derive_seed, sample_boundary
+from bnsgcn.data.sampler import derive_seed
 from bnsgcn.data.shard import Shard, Topology, load_shard
 from bnsgcn.errors import (
     JobStopped,
@@ -46,9 +45,7 @@ from bnsgcn.errors import (
     is_peer_failure,
     peer_lost_message,
 )
-from bnsgcn.exchange.bounded_lag import LagExchange, exchange_mode, make_stale_exchange
-from bnsgcn.exchange.stale import StaleExchange
-from bnsgcn.exchange.synchronous import BoundaryExchange, resolve_nonzero_rows
+from bnsgcn.exchange import Exchange, make_exchange, resolve_exchange_settings
 from bnsgcn.kernels import cross_entropy_rows
 from bnsgcn.kernels.backend import kernel_backend, seed_step
 from bnsgcn.kernels.buffers import BufferPool, pooled
@@ -72,7 +69,6 @@ from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
 from bnsgcn.sync.averaging import (
     EpochTables,
-    LocalExchange,
     ParameterSync,
     make_sync,
 )
@@ -245,9 +241,8 @@ class Job:
     optimizer: Adam
     sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.sync.averaging)
     delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
-    exchange: BoundaryExchange  # synchronous: training with --staleness 0 (and the first epoch of --staleness 1)
+    exchange: Exchange  # training's boundary exchange, as the configuration asks (bnsgcn.exchange)
     evaluation: Evaluation  # the full-graph forward of evaluations, in slices (bnsgcn.run.evaluate)
-    stale: StaleExchange | None  # training with --staleness 1
     pool: WorkPool | None  # --work-pool: the partitions training takes steps on (bnsgcn.sync.workpool)
     signature: dict  # what a checkpoint must agree on
     baseline_rss: int  # the process before any graph data
@@ -273,7 +268,6 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
     job = _setup(config, comm)
     start_epoch, best = _resume(job)
     metrics = _open_run_files(job, start_epoch)
-    samples = _Samples(job)
     comm.stats.reset()  # setup traffic is not an epoch's
     progress = Progress(config.run.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
     tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
@@ -293,7 +287,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
                 if job.pool is not None:
                     _pool_epoch(job, epoch, account)
                 else:
-                    _train_epoch(job, samples, epoch, account)
+                    _train_epoch(job, epoch, account)
             if sync_point and job.sync.decoupled:
                 with account.timed("sync"):
                     job.sync.average_all()
@@ -315,10 +309,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         if stop is not None and sync_point and (signum := stop.agreed(comm)):
             _stop(job, epoch + 1, best, signum)
     progress.close()
-    if isinstance(job.stale, LagExchange):
-        job.stale.close()  # end marks: nothing in flight when the groups close
-    elif job.stale is not None:
-        job.stale.drain()  # the transfers for the epoch after the last one
+    job.exchange.close()  # nothing in flight when the groups close
     return _finish(job, metrics, best, tables, last_loss)
 
 
@@ -384,9 +375,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     _compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
-    config = config.replace(
-        exchange=exchange_mode(config, comm), nonzero_rows=resolve_nonzero_rows(config.exchange.nonzero_rows, comm)
-    )
+    config = resolve_exchange_settings(config, comm)
     pool = (
         WorkPool(
             comm,
@@ -428,9 +417,9 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     )
     torch.manual_seed(config.run.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
-    rows_format, grads_format = WireFormat(config.exchange.compress), WireFormat(config.exchange.grad_wire_format)
     optimizer = Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
-    exchange = BoundaryExchange(comm, rows_format, grads_format, nonzero_rows=config.exchange.nonzero_rows == "on")
+    # training's strategy over the training graph (collective to build with --max-lag)
+    exchange = make_exchange(config, comm, train_inputs.topology, train_inputs.planner, log)
     return Job(
         config=config,
         resolved=config.resolved(run_dir, comm.device.type, torch.get_num_threads()),
@@ -471,8 +460,6 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         delay=InjectedDelay(parse_delays(config.sync.inject_delay), comm.rank, config.run.seed),
         exchange=exchange,
         evaluation=Evaluation(comm, config.evaluation.buffer_bytes),
-        # --staleness 1: the stale exchange, or with --max-lag the point-to-point one (bnsgcn.exchange.bounded_lag)
-        stale=make_stale_exchange(config, comm, train_inputs.topology, exchange, rows_format, grads_format, log),
         pool=pool,
         signature={
             "partition_set": set_id(shard.manifest),
@@ -488,14 +475,14 @@ def _resume(job: Job) -> tuple[int, Best]:
     """The first epoch to run and the best model so far: from the checkpoint with --resume."""
     if not job.config.checkpoint.resume:
         return 0, Best()
-    state, stale_state = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.stale)
+    state, part = _load_checkpoint(job.config, job.comm, job.run_dir, job.signature, job.exchange)
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
     job.model.load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
-    if job.stale is not None:
-        job.stale.load_state_dict(stale_state)
+    if part is not None:
+        job.exchange.load_state_dict(part)
     job.log.info("resumed from epoch %d", state["epoch"])
     return state["epoch"], Best(**state["best"])
 
@@ -519,53 +506,18 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
     )
 
 
-class _Samples:
-    """Each epoch's boundary sample (bool [n_boundary]) and plan. With staleness the next
-    epoch's is drawn one epoch ahead, for the stale exchange to send ahead for. All ranks
-    call together (a plan exchanges selections), except with ``--max-lag``, where the
-    exchange chooses (:meth:`bnsgcn.exchange.bounded_lag.LagExchange.draw`)."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.ahead: tuple[Tensor, ExchangePlan] | None = None
-
-    def draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
-        if isinstance(self.job.stale, LagExchange):  # --max-lag: no collective, versions per owner
-            return self.job.stale.draw(epoch)
-        keep, plan = self.ahead or self._draw(epoch)
-        if self.job.stale is not None:
-            self.ahead = self._draw(epoch + 1)
-            self.job.stale.prepare(self.ahead[1], self.ahead[0])
-        return keep, plan
-
-    def _draw(self, epoch: int) -> tuple[Tensor, ExchangePlan]:
-        config, inputs = self.job.config, self.job.train_inputs
-        keep = sample_boundary(
-            inputs.topology.boundary_counts, config.exchange.p, config.run.seed, self.job.comm.rank, epoch
-        )
-        return keep, inputs.planner.sample(keep, config.exchange.p)
-
-
-def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount) -> None:
+def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     """sample -> this epoch's graph -> forward -> loss -> backward -> reduce -> step."""
     config, inputs = job.config, job.train_inputs
     if job.delay:  # a slow machine, emulated: its own phase, never compute
         with account.timed("injected_delay"):
             job.delay.sleep()
     with account.timed("sampling"):
-        keep, plan = samples.draw(epoch)
-        # at p = 0 no row travels: no per-layer all-to-all (of empty rows) holds ranks together
-        g = inputs.graph.epoch(
-            keep, config.exchange.p, plan, LocalExchange() if config.exchange.p == 0 else job.stale or job.exchange
-        )
+        keep, plan = job.exchange.draw(epoch)
+        g = inputs.graph.epoch(keep, config.exchange.p, plan, job.exchange)
     job.model.train()
     seed_step(derive_seed(config.run.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
-    resident = lambda: [
-        inputs.features,
-        inputs.x_agg,
-        *job.exchange.buffers(),
-        *(job.stale.buffers() if job.stale else []),
-    ]  # noqa: E731 (held anyway)
+    resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers()]  # noqa: E731 (held anyway)
     with account.timed("forward"), account.saved_tensors(resident):
         logits = job.model(inputs.features, g, inputs.x_agg)
         account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
@@ -581,8 +533,7 @@ def _train_epoch(job: Job, samples: _Samples, epoch: int, account: EpochAccount)
     job.optimizer.step()
     # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
     account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
-    if isinstance(job.stale, LagExchange):  # the epochs behind it used, and the waits that bounded them
-        account.values.update(job.stale.figures())
+    account.values.update(job.exchange.figures())  # e.g. --max-lag's lag and its waits
 
 
 def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
@@ -663,19 +614,20 @@ def _stop(job: Job, epoch: int, best: Best, signum: int) -> NoReturn:
 
 
 def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
-    """Every --checkpoint-every epochs (or ``now``): each rank's stale part, then rank 0's checkpoint."""
+    """Every --checkpoint-every epochs (or ``now``): each rank's part (what its exchange holds
+    between epochs, if anything), then rank 0's checkpoint."""
     config, comm = job.config, job.comm
     if not config.checkpoint.every:
         return
     if not (now or config.checkpoint.due(epoch)):
         return  # no barrier either: with a decoupled --sync, ranks meet only at sync points
-    if job.stale is not None:  # every part is written before rank 0 writes the checkpoint
-        job.stale.drain()
+    if job.exchange.checkpoint_part is not None:  # every part is written before rank 0 writes the checkpoint
+        job.exchange.drain()
         checkpoint.save_part(
             job.run_dir,
             epoch,
             comm.rank,
-            {"sample": {"p": config.exchange.p, "seed": config.run.seed}, **job.stale.state_dict()},
+            {"sample": {"p": config.exchange.p, "seed": config.run.seed}, **job.exchange.state_dict()},
         )
         comm.barrier()
     if comm.rank == 0:
@@ -712,8 +664,7 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
         adjacency=evaluate.graph.tensors()
         + (train.graph.tensors() if train is not evaluate else [])
         + (job.pool.adjacency_tensors() if job.pool else []),
-        exchange_buffer_bytes=job.exchange.largest_bytes()
-        + (memory.storage_bytes(job.stale.buffers()) if job.stale is not None else 0),
+        exchange_buffer_bytes=job.exchange.largest_bytes(),
         evaluation_buffer_bytes=job.evaluation.largest_bytes(),
         activation_buffer_bytes=job.buffers.largest_bytes if job.buffers is not None else 0,
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
@@ -762,11 +713,11 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
 
 
 def _load_checkpoint(
-    config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, stale: StaleExchange | LagExchange | None
+    config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, exchange: Exchange
 ) -> tuple[dict | None, dict | None]:
-    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, with
-    staleness, its own part: written by :mod:`bnsgcn.exchange.bounded_lag` for a :class:`LagExchange`), or
-    every rank stops with the first rank's error."""
+    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, where
+    its exchange keeps a part, its own part), or every rank stops with the first rank's
+    error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
@@ -778,26 +729,21 @@ def _load_checkpoint(
         raise UserError(error)
     if chosen is None:
         return None, None
-    stale_state = None
+    part = None
     try:
         if state is None:  # rank 0 has it already
             state = checkpoint.load(chosen, signature)
-        if stale is not None:
-            stale_state = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
-            p, seed = stale_state["sample"]["p"], stale_state["sample"]["seed"]
+        if exchange.checkpoint_part is not None:
+            part = checkpoint.load_part(run_dir, state["epoch"], comm.rank)
+            p, seed = part["sample"]["p"], part["sample"]["seed"]
             path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
             if (p, seed) != (config.exchange.p, config.run.seed):  # the stale rows belong to those samples
                 raise UserError(
                     f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out"
                 )
-            if ("lag" in stale_state) != isinstance(
-                stale, LagExchange
-            ):  # the two exchanges hold their rows differently
-                flags = (
-                    ("--max-lag", "add --max-lag (any S)")
-                    if "lag" in stale_state
-                    else ("no --max-lag", "drop --max-lag")
-                )
+            written = "lag" if "lag" in part else "stale"  # the two exchanges hold their rows differently
+            if written != exchange.checkpoint_part:
+                flags = ("--max-lag", "add --max-lag (any S)") if written == "lag" else ("no --max-lag", "drop --max-lag")
                 raise UserError(
                     f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out"
                 )
@@ -806,7 +752,7 @@ def _load_checkpoint(
     errors = [e for e in comm.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
-    return state, stale_state
+    return state, part
 
 
 def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:

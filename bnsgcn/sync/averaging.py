@@ -454,27 +454,6 @@ def make_sync(
     return cls(comm, model, optimizer, mode, local_train, global_train, seed, log)
 
 
-class LocalExchange:
-    """The boundary exchange at p = 0: no boundary row is sampled, so none travels and no
-    collective runs per layer (an all-to-all of empty rows would still be a barrier)."""
-
-    def start(
-        self, x_inner: Tensor, plan, slot: int, category: str = "features", zeros_need_no_gradient: bool = False
-    ) -> _NoRows:
-        return _NoRows(x_inner)
-
-    def buffers(self) -> list:
-        return []
-
-
-class _NoRows:
-    def __init__(self, x_inner: Tensor) -> None:
-        self.empty = x_inner.new_zeros((0, *x_inner.shape[1:]))
-
-    def wait(self) -> Tensor:
-        return self.empty
-
-
 class EpochTables:
     """Every rank's figures per epoch (float64 [world, len(COLUMNS)]). With ``allreduce`` one
     gather per epoch (:meth:`EpochAccount.gather`, a barrier). Decoupled modes keep their

@@ -38,8 +38,8 @@ from bnsgcn.data.format import load_partition
 from bnsgcn.data.sampler import derive_seed
 from bnsgcn.data.shard import Shard, Topology, load_shard
 from bnsgcn.errors import UserError
+from bnsgcn.exchange.base import LocalExchange
 from bnsgcn.nn.graph import EpochGraph, ShardGraph
-from bnsgcn.sync.averaging import LocalExchange
 
 POOL_STREAM = 7  # derive_seed stream of the pool's order (the sampler uses 0, dropout 1)
 
