@@ -11,7 +11,7 @@
 Why: on GPUs aggregation runs about 100x faster than on this CPU while the links between
 machines are only a few times faster than loopback, so a CPU run over loopback spends ~1%
 of its epoch communicating where a GPU cluster spends over half. Capping the links between
-emulated nodes at about 1 Gbit/s restores the cluster's ratio (../shared/REFERENCE.md, 9).
+emulated nodes at about 1 Gbit/s restores the cluster's ratio of communication to compute.
 
 What it builds (needs root: network namespaces; nothing is added to the host's network):
 
@@ -687,7 +687,7 @@ def predicted_inter_node_rows(parts: Path, nodes: int, ranks_per_node: int, p: f
 
 
 def targets(records: list[dict]) -> list[dict]:
-    """The issue's two targets, per pair of runs that differ only in the exchange:
+    """The two targets, per pair of runs that differ only in the exchange:
     inter-node training bytes (features + gradients) with hierarchical exchange at most
     1/replication x direct (+2%), the replication predicted from the partition files; and,
     at 1gbit and p = 1, the hierarchical epoch time at most 0.75x direct."""

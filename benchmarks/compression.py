@@ -2,7 +2,7 @@
 epoch, mean of several seeds, for every wire format, p and staleness, against uncompressed
 messages and against the exact (staleness 0) exchange.
 
-    python -m benchmarks.compression --data-dir ../shared/data/planetoid --out benchmarks/results/compression.json
+    python -m benchmarks.compression --data-dir ~/data/planetoid --out benchmarks/results/compression.json
     python -m benchmarks.compression --graphs acc --formats none fp16 int8 --staleness 0 1 --seeds 0 1 2
     python -m benchmarks.compression --render benchmarks/results/compression.json
 
@@ -11,7 +11,7 @@ tests/test_cora.py: no norm, dropout 0.5, weight decay 5e-4, 200 epochs, evaluat
 and ``acc`` (the suite's accuracy graph, where the label lives in the neighbourhood: 8
 random parts, GraphSAGE 2 x 64, no precomputation, 100 epochs, evaluated every 10). Every
 run is ``bnsgcn-train`` on one machine (``--procs``); only the wire format, p and the seed
-change. Targets (the compression/staleness issue): int8 and fp16 within 0.5 points of none
+change. Targets: int8 and fp16 within 0.5 points of none
 (same staleness); staleness 1 within 1 point of staleness 0 (same format).
 """
 

@@ -1,4 +1,4 @@
-"""One GPU, one rank, p = 1 (issue 13, part 2): the engine against PyTorch Geometric on the
+"""One GPU, one rank, p = 1: the engine against PyTorch Geometric on the
 same GPU, and the sparse products against the GPU's memory bandwidth.
 
 For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,965 nodes,
@@ -48,8 +48,8 @@ from benchmarks.suite import MODELS, REPO, execute, machine, size_flags
 from bnsgcn.data.format import load_partition
 
 GRAPHS = {
-    # the tool writes the Reddit layout; without it (a machine without ../shared) the same
-    # sizes from the synthetic generator
+    # the tool writes the Reddit layout; without it, the same sizes from the synthetic
+    # generator
     "reference": "synthetic:nodes=200000,degree=25,features=128,classes=16",
     "reddit": "synthetic:nodes=232965,degree=490,features=602,classes=41",
     "quick": "synthetic:nodes=600,degree=6,features=16,classes=4",

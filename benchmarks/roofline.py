@@ -24,8 +24,8 @@ One invocation, on the machine it runs on:
      sparse product does; as many rows as that rank's adjacency has entries; for each
      width w the model aggregates. A partition in block order (``bnsgcn-partition
      --node-order blocks``, the default) reads many of its rows from the cache instead,
-     so its sparse products can run below this floor (docs/benchmarks.md, "Nodes
-     numbered in blocks").
+     so its sparse products can run below this floor (docs/benchmarks.md, "Node
+     order").
    * Copy bandwidth :math:`B` in bytes/s: a 256 MiB ``copy_``, bytes read + written
      (:func:`benchmarks.kernels.copy_bandwidth`).
 
@@ -105,7 +105,7 @@ One invocation, on the machine it runs on:
    parts' medians, which also took up the last epoch's final evaluation). The table is the
    slowest rank's (largest sum of phases), against that rank's floor; ratio = measured /
    floor (none where the floor is 0), above floor = measured - floor; the table's epoch is
-   the sum of the phases. The issue's target: epoch <= 1.25 x floor, judged (since
+   the sum of the phases. The target: epoch <= 1.25 x floor, judged (since
    2026-11-28) on the job's epoch as ``metrics.jsonl`` has it, the slowest rank's, median
    over the epochs after the first that do not evaluate
    (:func:`benchmarks.suite.read_train_run`), against the largest of the ranks' floors
@@ -116,7 +116,7 @@ One invocation, on the machine it runs on:
    much CPU time other processes used meanwhile (``/proc/stat`` less the run's own), as
    a share of the machine's cores: above a few percent, the run was disturbed; so does
    the roofline's measurement. Each run also gives every rank's peak RSS (the report's,
-   evaluation after the last epoch included), against the issue's memory target for that
+   evaluation after the last epoch included), against the memory target for that
    p on the reference graph (<= 1,075 MiB at p = 1, <= 900 MiB at p = 0.1; none for
    ``--quick`` or another p), so that time and memory are stated from one run.
 
@@ -178,9 +178,9 @@ from launch.network import free_port  # noqa: E402
 
 INDEX_BYTES = 4  # int32 column ids
 MASK_BYTES = 1 / 8  # one bit per dropout mask element (as the engine's fused step keeps it)
-LAYERS, HIDDEN = 3, 128  # GraphSAGE 3 x 128, the issue's model
-TARGET_RATIO = 1.25  # issue 14: epoch <= 1.25 x the floor
-PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # issue 14: peak RSS per rank on the reference graph, by p
+LAYERS, HIDDEN = 3, 128  # GraphSAGE 3 x 128, the benchmark's model
+TARGET_RATIO = 1.25  # the target: epoch <= 1.25 x the floor
+PEAK_TARGET_MIB = {1.0: 1075, 0.1: 900}  # the target: peak RSS per rank on the reference graph, by p
 PHASES = ("sampling", "exchange", "forward_compute", "backward_compute", "reduction", "other")
 GEMM_KINDS = ("forward", "grad_input", "grad_weight")
 EXCHANGE_PROBE_BYTES = 32 * 2**20  # sent by each process of the all-to-all measurement
@@ -562,7 +562,7 @@ def with_machine_use(work: Callable[[], Result], who: int) -> tuple[Result, dict
 
 
 def train(parts_dir: Path, ranks: int, p: float, epochs: int, run_dir: Path, timeout_s: int) -> None:
-    """``bnsgcn-train`` with the issue's model, one thread per rank; a failed run raises."""
+    """``bnsgcn-train`` with the benchmark's model, one thread per rank; a failed run raises."""
     command = [
         "bnsgcn-train",
         "--parts-dir",

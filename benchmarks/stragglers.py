@@ -10,12 +10,13 @@ when some ranks are slower (injected delays), on the emulated cluster.
 
 Every run trains the same model (GraphSAGE 2 x 64, dropout 0.2, no precomputation, Adam lr
 0.01, layer norm) with the same seed on the suite's synthetic accuracy graph
-(:data:`benchmarks.suite.ACCURACY`), with injected delays as in the straggler report
-(REFERENCE.md section 5): of 8 ranks, 3 slow (0.8 s), 2 medium (0.4 s) and 3 fast (0 s)
-per epoch, spread over both nodes (slow 0, 1, 4; medium 2, 5; fast 3, 6, 7; ranks 0-3 on
-node 0). With ``--work-pool`` the delay is per step (one per partition taken) and the set
-has 32 parts, so it is scaled by ranks / parts = 8 / 32 (0.2 s and 0.1 s per partition): a
-slow machine is as slow per unit of work as without the pool.
+(:data:`benchmarks.suite.ACCURACY`), with injected delays as in the straggler studies of
+grouped and partial reduction (g-ARAR, g-ARPS, mw-PR, which simulated stragglers with
+per-epoch sleeps): of 8 ranks, 3 slow (0.8 s), 2 medium (0.4 s) and 3 fast (0 s) per epoch,
+spread over both nodes (slow 0, 1, 4; medium 2, 5; fast 3, 6, 7; ranks 0-3 on node 0).
+With ``--work-pool`` the delay is per step (one per partition taken) and the set has 32
+parts, so it is scaled by ranks / parts = 8 / 32 (0.2 s and 0.1 s per partition): a slow
+machine is as slow per unit of work as without the pool.
 
 Runs (:func:`plan`): synchronous ``allreduce`` at p = 0 (the baseline) and p = 0.1 on 8 parts;
 every decoupled ``--sync`` without the pool at p = 0 on 8 parts; every ``--sync``, allreduce
@@ -29,7 +30,7 @@ seconds at epoch ``e`` are ``time.elapsed`` of ``e`` (wall seconds from the firs
 start to when the last rank ended ``e``) minus the evaluation seconds of the epochs up to
 ``e`` (each epoch's slowest rank's). Time to accuracy: those seconds at the first evaluated
 epoch whose validation score reaches the best validation score of the ``allreduce`` p = 0 run
-of the same seed minus 1 point (0.01). The issue's target: the best decoupled or pool mode
+of the same seed minus 1 point (0.01). The target: the best decoupled or pool mode
 reaches that in at most 0.6x the ``allreduce`` p = 0 run's time.
 
 Delays relative to the machine (``--relative-delays``): the fixed delays make a different
@@ -39,7 +40,7 @@ short calibration job (the baseline for :data:`CALIBRATION_EPOCHS` epochs) measu
 machine adds to the slowest rank's sleep per epoch, and every delay is scaled by that over the
 same figure on the machine the delays were set on (:attr:`Setting.reference_non_delay_s`), as
 the emulated cluster scales the links to keep a GPU cluster's ratio of communication to
-compute (REFERENCE.md section 9).
+compute.
 
 Results go to ``--out`` (rewritten atomically after every run); tables to stdout; with
 matplotlib a figure of the validation curves next to it (``<out>-curves.png``).
@@ -70,7 +71,7 @@ from bnsgcn.errors import UserError  # noqa: E402
 from bnsgcn.metrics import report  # noqa: E402
 
 TARGET_POINTS = 0.01  # the target: the baseline's best validation score minus 1 point
-TARGET_RATIO = 0.6  # the issue's target: the best mode reaches it in <= 0.6x the baseline's time
+TARGET_RATIO = 0.6  # the target: the best mode reaches it in <= 0.6x the baseline's time
 BASELINE = "allreduce"  # the label of the synchronous p = 0 run that sets the target
 TARGET_TEXT = "the best mode reaches synchronous all-reduce's accuracy (within 1 point) in <= 0.6x the time"
 CALIBRATION_EPOCHS = 20  # --relative-delays: the calibration job's epochs (the first two are left out)
@@ -428,7 +429,7 @@ def read_run(run_dir: Path, run: Planned) -> dict:
 
 
 def attach_targets(document: dict) -> None:
-    """``time_to_accuracy`` on every run (against the baseline of its seed) and the issue's
+    """``time_to_accuracy`` on every run (against the baseline of its seed) and the
     target (``document["target"]``)."""
     runs = [r for r in document["runs"] if "error" not in r]
     baselines = {r["seed"]: r for r in runs if r["label"] == BASELINE}
@@ -460,7 +461,7 @@ def attach_targets(document: dict) -> None:
 
 
 def target_verdict(runs: list[dict], ratio: str = "time_ratio", seconds: str = "seconds") -> dict:
-    """The issue's target, over the decoupled and pool modes (allreduce itself excluded),
+    """The target, over the decoupled and pool modes (allreduce itself excluded),
     per seed: the smallest time ratio among the runs that reached the baseline's target
     (``ratio``/``seconds``: the keys of the measure, training seconds or those after the first epoch)."""
     out = {"text": TARGET_TEXT, "points": TARGET_POINTS, "ratio": TARGET_RATIO, "per_seed": []}

@@ -27,7 +27,7 @@ of the slowest rank's epoch. Bytes per epoch are the features, gradients and sel
 sent by all ranks, averaged over the epochs. Every training run also gets its time to
 accuracy (:mod:`benchmarks.accuracy`): epochs and training seconds until its validation
 score reaches 99% of the best of the p = 1 run of the same group, graph, model and ranks
-(null where it evaluated only once, as the scaling runs do). The targets of issue 4 are computed from one
+(null where it evaluated only once, as the scaling runs do). The suite's four targets are computed from one
 invocation (:func:`targets`). Results go to ``--out`` as JSON (rewritten after every run,
 so an interrupted suite keeps what it measured), figures next to it when matplotlib is
 installed, and markdown tables to stdout.
@@ -120,7 +120,7 @@ PRESETS = {
         accuracy_flags=ACCURACY_FLAGS,
         timeout_s=600,
     ),
-    # The kernels issue's reference case alone: GraphSAGE 3 x 128 on the 200,000-node,
+    # The reference case alone: GraphSAGE 3 x 128 on the 200,000-node,
     # 5M-edge graph, 2 ranks at p = 1 and 0.1, against PyG and the compute-only bound.
     "target": Preset(
         name="target",
@@ -418,7 +418,7 @@ def attach_baselines(results: list[dict]) -> None:
 
 
 def targets(results: list[dict], preset: Preset) -> dict:
-    """The issue's four targets, each as a ratio from this invocation's runs."""
+    """The four targets, each as a ratio from this invocation's runs."""
     ok = [r for r in results if "error" not in r and r["kind"] == "train"]
     find = lambda **kw: next((r for r in ok if all(r.get(k) == v for k, v in kw.items())), None)  # noqa: E731
     out: dict[str, dict] = {}
