@@ -2,7 +2,10 @@
 
 The repository keeps the design's folders (``bnsgcn/`` the engine, ``partition/`` the
 offline step, ``launch/`` the launcher), installed as ``bnsgcn``, ``bnsgcn.partition`` and
-``bnsgcn.launch``. The engine never imports the other two.
+``bnsgcn.launch``. The engine never imports the other two. Inside the engine, each stage of
+an epoch is a sub-package, and a stage imports only the stages before it in the flow
+(data -> comm -> exchange -> nn -> sync -> run) and the foundations every stage uses
+(errors, device, config, kernels, metrics), which import no stage.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "bnsgcn"
 FORBIDDEN = ("partition", "launch")
+FOUNDATIONS = {"errors": set(), "device": set(), "config": {"errors", "device"}, "kernels": {"errors"}}
+FOUNDATIONS["metrics"] = {"errors"}
+STAGES = ("data", "comm", "exchange", "nn", "sync", "run")  # the order data flows in an epoch
 
 
-def _imported_modules(path: Path) -> list[tuple[int, str]]:
+def _imported_modules(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in ``path``, relative ones resolved
     against the module's place in the ``bnsgcn`` package."""
-    package = ["bnsgcn", *path.relative_to(ENGINE).parent.parts]
+    package = ["bnsgcn", *path.relative_to(root or ENGINE).parent.parts]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -35,6 +41,17 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
             # `from . import partition` names the subpackage in the alias
             found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
     return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (hints only: no import
+    at run time)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in ast.walk(child))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
 
 
 def _engine_imports_of_other_steps(root: Path) -> list[str]:
@@ -49,6 +66,63 @@ def _engine_imports_of_other_steps(root: Path) -> list[str]:
 
 def test_engine_imports_neither_the_partition_step_nor_the_launcher():
     assert _engine_imports_of_other_steps(ENGINE) == []
+
+
+def _allowed_stages(stage: str) -> set[str]:
+    """The engine's top-level parts a module of ``stage`` may import besides its own."""
+    if stage in FOUNDATIONS:
+        return FOUNDATIONS[stage]
+    return set(FOUNDATIONS) | set(STAGES[: STAGES.index(stage)])
+
+
+def _imports_against_the_flow(root: Path) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        stage = path.relative_to(root).parts[0].removesuffix(".py")
+        if stage == "__init__":
+            continue
+        assert stage in FOUNDATIONS or stage in STAGES, f"{path}: a part of the engine no rule names"
+        for line, module in _imported_modules(path, root):
+            parts = module.split(".")
+            if parts[0] != "bnsgcn" or len(parts) < 2 or parts[1] in (stage, *FORBIDDEN):
+                continue
+            where = f"{path.relative_to(root.parent)}:{line} "
+            if parts[1] not in _allowed_stages(stage) and not (bad and bad[-1].startswith(where)):
+                bad.append(f"{where}({stage}) imports {module}")
+    return bad
+
+
+def test_each_stage_imports_only_the_stages_before_it():
+    assert _imports_against_the_flow(ENGINE) == []
+
+
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("nn/model.py", "from bnsgcn.run.train import run"),
+        ("nn/layers.py", "import bnsgcn.sync.reducer"),
+        ("data/shard.py", "from bnsgcn.comm import plan"),
+        ("exchange/stale.py", "from bnsgcn.nn.graph import EpochGraph"),
+        ("metrics/report.py", "from bnsgcn.data.format import read_manifest"),
+        ("kernels/spmm.py", "from bnsgcn.config import TrainConfig"),
+        ("nn/graph.py", "from bnsgcn import run"),
+    ],
+)
+def test_the_flow_check_catches_each_backward_import(tmp_path, module, line):
+    engine = tmp_path / "bnsgcn"
+    (engine / module).parent.mkdir(parents=True)
+    (engine / module).write_text("import torch\n" + line + "\nif TYPE_CHECKING:\n    from bnsgcn.run import train\n")
+    (found,) = _imports_against_the_flow(engine)
+    assert found.startswith(f"bnsgcn/{module}:2 ")
+
+
+def test_hint_only_imports_are_not_runtime_imports(tmp_path):
+    engine = tmp_path / "bnsgcn"
+    (engine / "metrics").mkdir(parents=True)
+    (engine / "metrics" / "accounting.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from bnsgcn.comm.communicator import Comm\n"
+    )
+    assert _imports_against_the_flow(engine) == []
 
 
 @pytest.mark.parametrize(
