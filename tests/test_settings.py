@@ -7,20 +7,26 @@ import argparse
 import re
 from pathlib import Path
 
+import pytest
+
 from bnsgcn.config import SETTINGS, TrainConfig, add_arguments, flag_name, from_args, shown_default
+from bnsgcn.config.flags import GROUPS
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
-def _documented_flags() -> dict[str, str]:
-    """flag -> its default cell, from the table under "### Training flags"."""
+def _documented_flags() -> dict[str, tuple[str, str]]:
+    """flag -> (its section, its default cell), from the tables under "### Training flags",
+    one per "#### `section`" heading."""
     text = CLI_DOC.read_text().split("### Training flags", 1)[1].split("\n### ", 1)[0]
-    flags = {}
+    flags, section = {}, None
     for line in text.splitlines():
+        if heading := re.match(r"#### `(\w+)`", line):
+            section = heading.group(1)
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[0].startswith("`--"):
             for flag in re.findall(r"`(--[a-z-]+)", cells[0]):
-                flags[flag] = cells[1]
+                flags[flag] = (section, cells[1])
     return flags
 
 
@@ -36,10 +42,35 @@ def test_docs_table_lists_exactly_the_parser_flags_with_their_defaults():
     assert set(documented) == parser_flags, (
         f"only in docs: {set(documented) - parser_flags}; only in the parser: {parser_flags - set(documented)}"
     )
-    for _, f in SETTINGS.values():
+    for section, f in SETTINGS.values():
+        assert documented[flag_name(f)][0] == section, (flag_name(f), "documented under another section")
         if f.default is not None and not isinstance(f.default, bool) and "shown" not in f.metadata:
-            cell = documented[flag_name(f)]
+            cell = documented[flag_name(f)][1]
             assert cell.startswith(f"`{shown_default(f)}`"), (f.name, cell, shown_default(f))
+
+
+def test_help_groups_the_flags_by_section():
+    groups = {g.title: {s for a in g._group_actions for s in a.option_strings} for g in _parser()._action_groups}
+    for section, f in SETTINGS.values():
+        assert flag_name(f) in groups[GROUPS[section]], (flag_name(f), section)
+
+
+def test_flat_settings_address_the_sections():
+    config = TrainConfig.from_settings(p=0.3, model="gat", eval_every=4, checkpoint_every=2, compress="fp16")
+    assert (config.exchange.p, config.model.name, config.evaluation.every, config.checkpoint.every) == (
+        0.3,
+        "gat",
+        4,
+        2,
+    )
+    assert (
+        config.exchange.grad_wire_format == "fp16"
+        and config.replace(compress_grad="int8").exchange.grad_wire_format == "int8"
+    )
+    assert config.settings()["eval_every"] == 4 and TrainConfig().replace(**config.settings()) == config
+    assert list(config.to_json()) == list(SETTINGS)  # config.json: every setting by its flag's name
+    with pytest.raises(TypeError, match="unknown training setting 'modle'"):
+        TrainConfig.from_settings(modle="gcn")
 
 
 def test_parser_defaults_are_the_dataclass_defaults():
