@@ -80,15 +80,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--master-addr",
         default=None,
-        help="address of node 0, reachable from every node (default: inside an srun step the step's first node, else 127.0.0.1; "
-        "as one rank of torchrun/srun an exported MASTER_ADDR wins)",
+        help="address of node 0, reachable from every node (default: inside an srun step the step's first node, "
+        "else 127.0.0.1; as one rank of torchrun/srun an exported MASTER_ADDR wins)",
     )
     group.add_argument(
         "--master-port",
         type=int,
         default=None,
-        help="TCP port of rank 0 on node 0 (default: a free port with --nnodes 1; otherwise 20000 + SLURM_JOB_ID %% 20000 "
-        "inside a SLURM job, else 29500; as one rank of torchrun/srun an exported MASTER_PORT wins)",
+        help="TCP port of rank 0 on node 0 (default: a free port with --nnodes 1; otherwise "
+        "20000 + SLURM_JOB_ID %% 20000 inside a SLURM job, else 29500; as one rank of torchrun/srun "
+        "an exported MASTER_PORT wins)",
     )
 
 
@@ -113,7 +114,8 @@ def check_launch_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--nnodes {args.nnodes} must be at least 1 (machines in the job)")
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(
-            f"--node-rank {args.node_rank} is outside [0, {args.nnodes}) for --nnodes {args.nnodes}; number the machines 0 to {args.nnodes - 1}"
+            f"--node-rank {args.node_rank} is outside [0, {args.nnodes}) for --nnodes {args.nnodes}; number the "
+            f"machines 0 to {args.nnodes - 1}"
         )
     if args.master_port is not None:
         check_port_number(args.master_port)
@@ -125,7 +127,8 @@ def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
     if args.gpus is not None:
         if config.run.device == "cpu":
             raise UserError(
-                "--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU ranks"
+                "--gpus trains on CUDA GPUs but --device cpu was given; drop --device cpu, or use --procs N for CPU "
+                "ranks"
             )
         return "cuda"
     if args.procs is not None:
@@ -147,7 +150,8 @@ def require_gpus(needed: int, what: str, fix: str) -> None:
 
 def announce(partition_set: PartitionSet, search_root: Path) -> None:
     print(
-        f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir picks another)",
+        f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir "
+        "picks another)",
         flush=True,
     )
 
@@ -156,7 +160,8 @@ def ranks_per_node(partition_set: PartitionSet, nnodes: int) -> int:
     """Without --gpus/--procs: the set's partitions spread evenly over the machines."""
     if partition_set.parts % nnodes:
         raise UserError(
-            f"partition set {partition_set.describe()} does not split evenly over --nnodes {nnodes}; pass --procs N (ranks per machine)"
+            f"partition set {partition_set.describe()} does not split evenly over --nnodes {nnodes}; pass --procs N "
+            "(ranks per machine)"
         )
     return partition_set.parts // nnodes
 
@@ -172,7 +177,8 @@ def resume_after_restart(config: TrainConfig, environ: Mapping[str, str], announ
         return True
     if announcer:
         print(
-            f"{PROG}: warning: restart {count} ({variable}) without --out starts a new run; pass a fixed --out to resume",
+            f"{PROG}: warning: restart {count} ({variable}) without --out starts a new run; pass a fixed --out to "
+            "resume",
             file=sys.stderr,
             flush=True,
         )
@@ -203,7 +209,8 @@ def prepare_local_ranks(
     if local is None:
         if config.sync.work_pool:
             raise UserError(
-                "--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the set's partitions"
+                "--work-pool needs the number of ranks: pass --procs N (or --gpus N) per machine, fewer than the "
+                "set's partitions"
             )
         local = ranks_per_node(partition_set, args.nnodes)
         if device == "cuda":
@@ -224,7 +231,8 @@ def prepare_local_ranks(
     if args.node_rank == 0 and port_in_use(port):
         everywhere = " on every node" if args.nnodes > 1 else ""
         raise UserError(
-            f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port {free_port()}"
+            f"master port {port} is already in use on this machine; pass a free one{everywhere}, e.g. --master-port "
+            f"{free_port()}"
         )
 
     threads = config.run.threads or threads_per_rank(local)
@@ -304,7 +312,8 @@ def prepare_rank(
     # Under srun, rank 0 opens the master port itself (torchrun's agent already holds it).
     if ranks.source == "slurm" and ranks.rank == 0 and port_in_use(ranks.master_port):
         raise UserError(
-            f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass --master-port"
+            f"master port {ranks.master_port} is already in use on this node; export MASTER_PORT=<free port> or pass "
+            "--master-port"
         )
     resume = resume_after_restart(config, os.environ, announcer=ranks.rank == 0)
     ranks.export(os.environ)

@@ -77,7 +77,8 @@ def choose_partition_set(
     if not matches:
         listing = ", ".join(s.describe() for s in found)
         raise UserError(
-            f"no partition set{wanted} under {where} (found: {listing}); pass --parts-dir DIR, or as many ranks as a set has parts"
+            f"no partition set{wanted} under {where} (found: {listing}); pass --parts-dir DIR, or as many ranks as a "
+            "set has parts"
         )
     listing = ", ".join(s.describe() for s in matches)
     raise UserError(f"{len(matches)} partition sets{wanted} under {where}: {listing}; choose one with --parts-dir DIR")
@@ -93,5 +94,6 @@ def check_world_size(partition_set: PartitionSet, world_size: int, work_pool: bo
         k = partition_set.parts
         raise UserError(
             f"{world_size} ranks but partition set {partition_set.path} has {k} partitions; "
-            f"run {k} ranks (e.g. --procs {k} on one machine) or re-partition into {world_size} parts with bnsgcn-partition"
+            f"run {k} ranks (e.g. --procs {k} on one machine) or re-partition into {world_size} parts with "
+            "bnsgcn-partition"
         )

@@ -104,7 +104,8 @@ def check_one_launcher_per_node(environ: Mapping[str, str], nnodes: int) -> None
     if tasks != nnodes:
         raise UserError(
             f"this srun step runs {tasks} copies of bnsgcn-train for --nnodes {nnodes}; start one per node: "
-            "srun -n $SLURM_NNODES --ntasks-per-node=1 bnsgcn-train --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID ..."
+            "srun -n $SLURM_NNODES --ntasks-per-node=1 bnsgcn-train --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID "
+            "..."
         )
 
 
@@ -183,7 +184,8 @@ def detect_rank_environment(
         nodes = slurm_nodes(environ)
         if nodes is None:
             raise UserError(
-                "SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; export MASTER_ADDR=<host of rank 0>"
+                "SLURM task without SLURM_JOB_NODELIST: cannot tell where rank 0 runs; export MASTER_ADDR=<host of "
+                "rank 0>"
             )
         address = nodes[0]
     return RankEnvironment(
@@ -221,14 +223,16 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
         match = _HOST_EXPRESSION.match(text, position)
         if match is None:
             raise UserError(
-                f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>"
+                f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of "
+                "rank 0>"
             )
         hosts.extend(_expand_host(match.group(0), nodelist))
         position = match.end()
         if position < len(text):
             if text[position] != "," or position + 1 == len(text):
                 raise UserError(
-                    f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of rank 0>"
+                    f"cannot parse SLURM node list {nodelist!r} near position {position}; export MASTER_ADDR=<host of "
+                    "rank 0>"
                 )
             position += 1
     if not hosts:

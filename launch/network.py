@@ -28,7 +28,8 @@ def check_port_number(port: int) -> None:
     """Raise :class:`UserError` unless ``port`` is a usable TCP port number."""
     if not 1 <= port <= 65535:
         raise UserError(
-            f"--master-port {port} is not a TCP port; pass a number in [1, 65535], e.g. --master-port {DEFAULT_MASTER_PORT}"
+            f"--master-port {port} is not a TCP port; pass a number in [1, 65535], e.g. --master-port "
+            f"{DEFAULT_MASTER_PORT}"
         )
 
 

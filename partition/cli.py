@@ -199,13 +199,15 @@ def run(args: argparse.Namespace) -> int:
             if args.method == "auto":
                 partitioner = {**partitioner, "resolved": method}
                 print(
-                    f"--method auto: {method} (METIS needs about {format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
+                    f"--method auto: {method} (METIS needs about "
+                    f"{format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
                     f"{format_bytes(available_memory(limit))} available)",
                     file=sys.stderr,
                 )
             elif method == "metis" and need > available_memory(limit):
                 print(
-                    f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are available; "
+                    f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are "
+                    "available; "
                     "it may be killed, --method coarse fits in less",
                     file=sys.stderr,
                 )

@@ -429,7 +429,8 @@ def coarse_assignment(
     if need > memory_budget:
         raise UserError(
             f"the coarsest graph ({level_nodes:,} nodes, {level_edges:,} edges) still needs about {format_bytes(need)} "
-            f"for METIS, over the {format_bytes(memory_budget)} available; free memory, raise --memory-limit or use a larger machine"
+            f"for METIS, over the {format_bytes(memory_budget)} available; free memory, raise --memory-limit or use a "
+            "larger machine"
         )
     with step(f"METIS on the coarsest graph: {level_nodes:,} nodes, {level_edges:,} edges", enabled=progress):
         vwgt, ncon = vertex_weights(level_nodes, node_weight, train_weight)

@@ -109,7 +109,8 @@ def available_memory(memory_limit: int | None = None) -> int:
 
 
 def resolve_method(method: str, num_nodes: int, num_edges: int, memory_limit: int | None = None) -> str:
-    """``auto`` -> ``metis`` when METIS' estimated peak fits :func:`available_memory`, else ``coarse``; others unchanged."""
+    """``auto`` -> ``metis`` when METIS' estimated peak fits :func:`available_memory`, else
+    ``coarse``; others unchanged."""
     if method != "auto":
         return method
     return "metis" if metis_bytes(num_nodes, num_edges) <= available_memory(memory_limit) else "coarse"
@@ -335,7 +336,8 @@ def read_assignment(path: Path, parts: int, num_nodes: int) -> np.ndarray:
     values = np.asarray(values)
     if values.ndim != 1 or values.shape[0] != num_nodes:
         raise UserError(
-            f"assignment file {path} holds {values.shape[0] if values.ndim else 0} values in shape {list(values.shape)} "
+            f"assignment file {path} holds {values.shape[0] if values.ndim else 0} values in shape "
+            f"{list(values.shape)} "
             f"but the graph has {num_nodes} nodes; pass the assignment computed for this dataset"
         )
     if values.dtype.kind not in "iuf" or (values.dtype.kind == "f" and not np.all(values == np.round(values))):

@@ -145,7 +145,8 @@ class Comm:
         for tensor in tensors:
             if tensor.device != self.device:
                 raise RuntimeError(
-                    f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move it to comm.device first"
+                    f"collective got a tensor on {tensor.device}, but this rank communicates on {self.device}; move "
+                    "it to comm.device first"
                 )
 
     def _count(self, category: str, sent: int, received: int) -> None:
@@ -378,8 +379,10 @@ def _wait_for_master(address: str, port: int, timeout: float) -> None:
         except OSError as exc:
             if time.monotonic() >= deadline:
                 raise PeerLost(
-                    f"no answer from the master {address}:{port} within --timeout {timeout:g} s ({exc.strerror or exc}); "
-                    "check that rank 0 runs there and that MASTER_ADDR/MASTER_PORT (--master-addr/--master-port) name it"
+                    f"no answer from the master {address}:{port} within --timeout {timeout:g} s "
+                    f"({exc.strerror or exc}); "
+                    "check that rank 0 runs there and that MASTER_ADDR/MASTER_PORT (--master-addr/--master-port) name "
+                    "it"
                 ) from None
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
@@ -388,9 +391,10 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
     ``device`` is ``cuda`` (NCCL, one GPU per local rank), ``cpu`` (gloo) or ``auto``
-    (:func:`bnsgcn.device.resolve_device`: cuda when this machine has a GPU per local rank). Every collective then fails after ``timeout`` seconds instead
-    of waiting forever on a dead rank. ``pipelined``: the job keeps boundary exchanges in
-    flight across epochs (``--staleness 1``), on a group of their own.
+    (:func:`bnsgcn.device.resolve_device`: cuda when this machine has a GPU per local rank).
+    Every collective then fails after ``timeout`` seconds instead of waiting forever on a
+    dead rank. ``pipelined``: the job keeps boundary exchanges in flight across epochs
+    (``--staleness 1``), on a group of their own.
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -435,7 +439,8 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
         # e.g. two launchers on one machine, each numbering its ranks' GPUs from 0
         raise UserError(
             f"rank {rank} shares its GPU with another rank of the job (NCCL: {shared}); give every rank of a machine "
-            "its own LOCAL_RANK (one launcher per machine, or CUDA_VISIBLE_DEVICES per launcher), or train on CPU with --procs"
+            "its own LOCAL_RANK (one launcher per machine, or CUDA_VISIBLE_DEVICES per launcher), or train on CPU "
+            "with --procs"
         ) from None
     keys = [node_key()]
     if world_size > 1:

@@ -85,11 +85,13 @@ def validate(config: TrainConfig) -> None:
     if c.stale_smoothing is not None:
         if not 0.0 < c.stale_smoothing < 1.0:
             raise UserError(
-                f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. --stale-smoothing 0.9"
+                f"--stale-smoothing {c.stale_smoothing} is outside (0, 1); pass the old average's weight, e.g. "
+                "--stale-smoothing 0.9"
             )
         if c.staleness != 1:
             raise UserError(
-                "--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing"
+                "--stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop "
+                "--stale-smoothing"
             )
     check_sync(c.p, c.staleness, parse_sync(c.sync), c.norm)
     _check_max_lag(c)
@@ -110,15 +112,18 @@ def _check_max_lag(c: SimpleNamespace) -> None:
         return
     if c.max_lag < 1:
         raise UserError(
-            f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 itself)"
+            f"--max-lag {c.max_lag} must be a positive number of epochs; pass e.g. --max-lag 3 (1 is --staleness 1 "
+            "itself)"
         )
     if c.staleness != 1:
         raise UserError(
-            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag"
+            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop "
+            "--max-lag"
         )
     if c.exchange == "hierarchical":
         raise UserError(
-            "--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of hierarchical, or drop --max-lag"
+            "--max-lag sends rows point to point from owner to requester; pass --exchange direct (or auto) instead of "
+            "hierarchical, or drop --max-lag"
         )
 
 
@@ -185,7 +190,8 @@ def parse_sync(spec: str) -> SyncMode:
         values = []
     if not 1 <= len(values) <= allowed or any(v < 1 for v in values) or len(values) != len(numbers):
         raise UserError(
-            f"--sync {spec!r} needs positive integers: {kind}:{'G[:N]' if kind == 'grouped' else 'P' if kind == 'partial' else 'K'}; {usage}"
+            f"--sync {spec!r} needs positive integers: "
+            f"{kind}:{'G[:N]' if kind == 'grouped' else 'P' if kind == 'partial' else 'K'}; {usage}"
         )
     return SyncMode(kind, values[0], values[1] if len(values) > 1 else DEFAULT_GROUPS)
 
@@ -194,11 +200,13 @@ def check_sync(p: float, staleness: int, sync: SyncMode, norm: str) -> None:
     """What a decoupled sync needs, in one line: ranks must not wait on each other every layer."""
     if sync.decoupled and norm == "batch":
         raise UserError(
-            f"--sync {sync.kind} lets ranks run apart, but --norm batch sums statistics over every rank in every layer; use --norm layer or none, or --sync allreduce"
+            f"--sync {sync.kind} lets ranks run apart, but --norm batch sums statistics over every rank in every "
+            "layer; use --norm layer or none, or --sync allreduce"
         )
     if sync.decoupled and p > 0.0 and staleness == 0:
         raise UserError(
-            f"--sync {sync.kind} only helps when ranks do not exchange boundary rows every layer, but --p is {p:g} with "
+            f"--sync {sync.kind} only helps when ranks do not exchange boundary rows every layer, but --p is {p:g} "
+            "with "
             "--staleness 0; add --staleness 1 (stale exchange) or pass --p 0, or use --sync allreduce"
         )
 
@@ -207,7 +215,8 @@ def check_work_pool(p: float, staleness: int, norm: str, inductive: bool) -> Non
     """What ``--work-pool`` needs, in one line: partitions trained on their own."""
     if p != 0.0:
         raise UserError(
-            f"--work-pool trains each partition on its own subgraph (boundary nodes dropped), but --p is {p:g}; pass --p 0"
+            f"--work-pool trains each partition on its own subgraph (boundary nodes dropped), but --p is {p:g}; pass "
+            "--p 0"
         )
     if staleness:
         raise UserError(
@@ -215,7 +224,8 @@ def check_work_pool(p: float, staleness: int, norm: str, inductive: bool) -> Non
         )
     if norm == "batch":
         raise UserError(
-            "--work-pool lets ranks take different numbers of steps, but --norm batch sums statistics over every rank in every layer; use --norm layer or none"
+            "--work-pool lets ranks take different numbers of steps, but --norm batch sums statistics over every rank "
+            "in every layer; use --norm layer or none"
         )
     if inductive:
         raise UserError("--work-pool does not support --inductive; drop one of them")
@@ -230,11 +240,13 @@ def check_world(delays: dict[int, tuple[float, float]], sync: SyncMode, world_si
         )
     if sync.kind == "partial" and sync.every > world_size:
         raise UserError(
-            f"--sync partial:{sync.every} averages {sync.every} ranks per round, but the job has {world_size}; pass P <= {world_size}"
+            f"--sync partial:{sync.every} averages {sync.every} ranks per round, but the job has {world_size}; pass P "
+            f"<= {world_size}"
         )
     if sync.kind == "grouped" and sync.groups > world_size:
         raise UserError(
-            f"--sync grouped:{sync.every}:{sync.groups} asks for {sync.groups} groups of {world_size} ranks; pass N <= {world_size}"
+            f"--sync grouped:{sync.every}:{sync.groups} asks for {sync.groups} groups of {world_size} ranks; pass N "
+            f"<= {world_size}"
         )
 
 
@@ -248,5 +260,6 @@ def check_pool_size(num_parts: int, world: int, parts_dir: Path | str) -> None:
     """``--work-pool`` needs at least one partition per rank."""
     if num_parts < world:
         raise UserError(
-            f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into at least {world} parts (more than ranks lets fast ranks take more)"
+            f"--work-pool hands out partitions, but {parts_dir} has {num_parts} for {world} ranks; re-partition into "
+            f"at least {world} parts (more than ranks lets fast ranks take more)"
         )

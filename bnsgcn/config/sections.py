@@ -89,7 +89,8 @@ class ExchangeConfig:
     p: float = setting(0.1, "boundary node sampling probability, 0 <= p <= 1")
     mode: str = setting(
         "auto",
-        "direct | hierarchical | auto: boundary rows cross between machines once per remote node and are relayed inside "
+        "direct | hierarchical | auto: boundary rows cross between machines once per remote node and are relayed "
+        "inside "
         "it (hierarchical), or once per rank that needs them (direct); auto = hierarchical when the job spans several "
         "machines and some machine runs several ranks",
         flag="--exchange",
@@ -123,7 +124,8 @@ class ExchangeConfig:
     max_lag: int | None = setting(
         None,
         "with --staleness 1: a rank may run up to S epochs ahead of the ranks it shares boundary nodes with; rows and "
-        "gradients travel point to point as their owners produce them, each rank uses the newest version at most S epochs "
+        "gradients travel point to point as their owners produce them, each rank uses the newest version at most S "
+        "epochs "
         "old and waits only when it would exceed that (1: --staleness 1 itself); pair it with a decoupled --sync",
         type=int,
         metavar="S",

@@ -36,7 +36,8 @@ MANIFEST_NAME = "manifest.json"
 # name -> what it holds; shapes use n_inner, n_boundary, nnz, K (parts), F, C.
 PART_ARRAYS: dict[str, str] = {
     "inner_nodes": "int64 [n_inner]: global ids of the inner nodes, in the partition's node order",
-    "boundary_nodes": "int64 [n_boundary]: global ids of the boundary nodes, grouped by owner, then in the owner's node order",
+    "boundary_nodes": "int64 [n_boundary]: global ids of the boundary nodes, grouped by owner, then in the owner's "
+    "node order",
     "boundary_offsets": "int64 [K+1]: boundary_nodes[o[q]:o[q+1]] are owned by partition q",
     "adj_indptr": "int64 [n_inner+1]: CSR row pointer of the inner nodes' in-edges (self-loop included)",
     "adj_indices": "int32 [nnz]: source of each in-edge in local column numbering",
@@ -137,7 +138,8 @@ def load_partition(parts_dir: Path, part: int, verify: bool = False) -> Partitio
     num_parts = int(manifest["parts"])
     if not 0 <= part < num_parts:
         raise UserError(
-            f"rank {part} has no partition: {parts_dir} has {num_parts} parts; start {num_parts} ranks, one per partition"
+            f"rank {part} has no partition: {parts_dir} has {num_parts} parts; start {num_parts} ranks, one per "
+            "partition"
         )
     entry = manifest["partitions"][part]
     part_dir = parts_dir / entry["dir"]

@@ -151,4 +151,3 @@ class LocalExchange(Exchange):
 
     def start(self, x_inner, plan, slot, category="features", zeros_need_no_gradient=False) -> InFlight:
         return no_rows(x_inner)
-

@@ -159,7 +159,8 @@ class LagExchange(Exchange):
         for r in range(world):
             if self.counts[r][me] != topology.send_counts[r]:
                 raise RuntimeError(
-                    f"rank {r} has {self.counts[r][me]} boundary nodes of rank {me}, which sends {topology.send_counts[r]} rows to it; the partition set is inconsistent"
+                    f"rank {r} has {self.counts[r][me]} boundary nodes of rank {me}, which sends "
+                    f"{topology.send_counts[r]} rows to it; the partition set is inconsistent"
                 )
         self.owners = [
             q for q in range(world) if q != me and topology.boundary_counts[q] > 0
@@ -613,7 +614,8 @@ class LagExchange(Exchange):
             raise PeerLost(
                 peer_lost_message(
                     RuntimeError(
-                        f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                        f"rank {self.comm.rank}: the transfers with rank {q} failed ({type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
                     ),
                     self.comm.who_stopped(),
                 )

@@ -49,7 +49,9 @@ class ColumnSlicedExchange(BoundaryExchange):
         self.column_slice_bytes = buffer_bytes
         self.slices = 0
 
-    def column_slices(self, x_inner: Tensor, plan: ExchangePlan, category: str) -> Iterator[tuple[slice, Tensor, InFlight]]:
+    def column_slices(
+        self, x_inner: Tensor, plan: ExchangePlan, category: str
+    ) -> Iterator[tuple[slice, Tensor, InFlight]]:
         """For each column slice ``c`` of ``x_inner``'s last dimension ([n_inner, *row]):
         ``c``, the slice's inner rows ``x_inner[..., c]`` (contiguous) and its boundary rows
         in flight (``.wait()``: [plan.num_received, *row[:-1], |c|]). They live in the shared

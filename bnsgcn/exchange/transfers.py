@@ -278,8 +278,9 @@ def start_nonzero_grads(
 ) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Start sending the gradients of the received rows' nonzero entries to their owners;
     the rest need none (see :meth:`BoundaryExchange.start`). In a node-aware plan the
-    relayed rows' gradients first come back whole and are summed (:func:`first_stage_grads`). Returns the work, the entries being sent and the buffer the owner's arrive in
-    (a spare slot at its end)."""
+    relayed rows' gradients first come back whole and are summed (:func:`first_stage_grads`).
+    Returns the work, the entries being sent and the buffer the owner's arrive in (a spare
+    slot at its end)."""
     device, dtype = grad_rows.device, grad_rows.dtype
     first_grads = first_stage_grads(comm, plan, grad_rows, buffers)
     values = buffers.send.view((sum(pattern.received_counts) + 1,), dtype, device)

@@ -1,9 +1,9 @@
 """Aggregation kernels: sparse-dense products and GAT attention over a CSR adjacency.
 
-Public API: :class:`Adjacency` (CSR plus its transpose, built once), :func:`spmm`
-(``Y = A X``; :func:`spmm_add_` adds it into an existing tensor) and :func:`gat_aggregate` (multi-head attention aggregation). Both are
-differentiable; their backward passes run over the prebuilt transpose, so nothing is
-transposed or converted at run time.
+Public API: :class:`Adjacency` (CSR plus its transpose, built once), :func:`spmm` (``Y = A
+X``; :func:`spmm_add_` adds it into an existing tensor) and :func:`gat_aggregate`
+(multi-head attention aggregation). Both are differentiable; their backward passes run over
+the prebuilt transpose, so nothing is transposed or converted at run time.
 
 Backend selection, one mechanism: the environment variable ``BNSGCN_KERNELS``, read at
 every call.

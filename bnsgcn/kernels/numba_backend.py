@@ -483,9 +483,9 @@ def select_columns(adj: Adjacency, keep: Tensor, sizes: tuple[int, int] | None =
     if nnz <= _SELECT_BY_COLUMNS_SHARE * adj.nnz:
         indptr = torch.empty(adj.n_rows + 1, dtype=torch.int64)
         _select_by_columns_kernel(
-            _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype), weighted,
-            _array(kept_columns), indptr.numpy(), indices.numpy(), _or_empty(values, value_dtype), t_indptr.numpy(),
-            t_indices.numpy(), t_edge.numpy(), _or_empty(t_values, value_dtype),
+            _array(adj.t_indptr), _array(adj.t_indices), _array(adj.t_edge), _or_empty(adj.t_values, value_dtype),
+            weighted, _array(kept_columns), indptr.numpy(), indices.numpy(), _or_empty(values, value_dtype),
+            t_indptr.numpy(), t_indices.numpy(), t_edge.numpy(), _or_empty(t_values, value_dtype),
         )  # fmt: skip
         return Adjacency(indptr, indices, values, t_indptr, t_indices, t_edge, t_values, kept_columns.numel())
     work = adj.nnz + adj.n_rows
@@ -524,8 +524,9 @@ def _spmm_csr(
     if out is None:
         out = buffers.empty((n_rows, x.shape[1]), x.dtype)
     _spmm_kernel(x.shape[1] if x.shape[1] in _CONSTANT_WIDTHS else 0)(
-        _array(indptr), _array(indices), _or_empty(values, x.dtype), values is not None, _or_empty(row_scale, x.dtype), row_scale is not None,
-        _or_empty(col_scale, x.dtype), col_scale is not None, _array(x), accumulate, out.numpy(), work=indices.numel() * x.shape[1],
+        _array(indptr), _array(indices), _or_empty(values, x.dtype), values is not None,
+        _or_empty(row_scale, x.dtype), row_scale is not None, _or_empty(col_scale, x.dtype), col_scale is not None,
+        _array(x), accumulate, out.numpy(), work=indices.numel() * x.shape[1],
     )  # fmt: skip
     return out
 
@@ -959,7 +960,8 @@ def dropout(
     out = buffers.empty(x.shape, x.dtype)
     keep = buffers.empty(x.shape if with_mask else (0,), torch.bool)
     _dropout_kernel(
-        _array(x).reshape(-1), np.uint64(seed), np.uint64(threshold), float(scale), out.numpy().reshape(-1), keep.numpy().reshape(-1), with_mask, work=x.numel()
+        _array(x).reshape(-1), np.uint64(seed), np.uint64(threshold), float(scale), out.numpy().reshape(-1),
+        keep.numpy().reshape(-1), with_mask, work=x.numel(),
     )  # fmt: skip
     return out, keep if with_mask else None
 

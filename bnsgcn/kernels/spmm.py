@@ -71,7 +71,8 @@ def spmm_add_(base: Tensor, adj: Adjacency, x: Tensor) -> Tensor:
     x = _check(adj, x)
     if base.shape != (adj.n_rows, x.shape[1]) or base.dtype != x.dtype or not base.is_contiguous():
         raise ValueError(
-            f"spmm_add_ needs a contiguous {x.dtype} base of shape [{adj.n_rows}, {x.shape[1]}], got {base.dtype} {list(base.shape)}"
+            f"spmm_add_ needs a contiguous {x.dtype} base of shape [{adj.n_rows}, {x.shape[1]}], got {base.dtype} "
+            f"{list(base.shape)}"
         )
     if torch.is_grad_enabled() and (x.requires_grad or base.requires_grad):
         return _SpMMAdd.apply(base, x, adj)

@@ -435,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 paths = write_figures(report, run)
             except OSError as exc:
                 print(
-                    f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run elsewhere",
+                    f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run "
+                    "elsewhere",
                     file=sys.stderr,
                 )
                 return 2

@@ -136,9 +136,7 @@ class EpochGraph:
         else:
             z_boundary = self.boundary_rows(z, slot)
         z_all = torch.cat([z, z_boundary])
-        return gat_aggregate(
-            self.full, z_all, source_scores(z_all), target_scores, self.column_weight, negative_slope
-        )
+        return gat_aggregate(self.full, z_all, source_scores(z_all), target_scores, self.column_weight, negative_slope)
 
     def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners:

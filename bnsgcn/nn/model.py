@@ -88,9 +88,10 @@ class GNN(nn.Module):
     aggregation ``A h`` its dense product needs: one activation per layer instead of about
     four; the output layer shares the segment of the layer before it (its recomputation
     costs next to nothing), so ``L >= 3`` layers keep ``L - 2`` activations (``L - 1``
-    with int8/int4 rows, whose rounding draws random numbers between the two layers). The boundary rows a segment received are kept by the
-    :class:`~bnsgcn.nn.graph.EpochGraph` and handed out again when it is recomputed, so rows
-    cross the network once per layer and direction, as without ``remat``.
+    with int8/int4 rows, whose rounding draws random numbers between the two layers). The
+    boundary rows a segment received are kept by the :class:`~bnsgcn.nn.graph.EpochGraph`
+    and handed out again when it is recomputed, so rows cross the network once per layer and
+    direction, as without ``remat``.
     ``kept_for_recompute`` lists the segment inputs of the last training pass (the memory
     report counts them as saved activations).
 

@@ -107,7 +107,8 @@ class Adam:
         groups = state_dict["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
             raise ValueError(
-                f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in {len(groups)} groups; this model has {len(self.params)} in one"
+                f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in {len(groups)} groups; "
+                f"this model has {len(self.params)} in one"
             )
         self.group = {k: (tuple(groups[0][k]) if k == "betas" else groups[0][k]) for k in HYPERPARAMETERS}
         for index, p in zip(groups[0]["params"], self.params):

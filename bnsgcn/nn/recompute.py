@@ -49,7 +49,8 @@ class _Segment:
         tensor = self.saved[position]
         if tensor is None:
             raise RuntimeError(
-                "a recomputed segment's saved tensor was unpacked twice; backward through a segment runs once (no retain_graph)"
+                "a recomputed segment's saved tensor was unpacked twice; backward through a segment runs once (no "
+                "retain_graph)"
             )
         self.saved[position] = None  # backward unpacks each once: free it as the graph frees its own
         return tensor
@@ -71,7 +72,8 @@ class _Segment:
                 self.fn(*args)
         if [(t.shape, t.dtype) for t in saved] != self.metadata:
             raise RuntimeError(
-                f"a recomputed segment saved {len(saved)} tensors for backward, its forward pass {len(self.metadata)} (or other shapes): the segment is not deterministic"
+                f"a recomputed segment saved {len(saved)} tensors for backward, its forward pass {len(self.metadata)} "
+                "(or other shapes): the segment is not deterministic"
             )
         return saved
 

@@ -39,7 +39,9 @@ class Evaluation:
         return self.exchange.largest_bytes()
 
     @torch.no_grad()
-    def logits(self, model: torch.nn.Module, graph: ShardGraph, plan: ExchangePlan, x: Tensor, x_agg: Tensor | None) -> Tensor:
+    def logits(
+        self, model: torch.nn.Module, graph: ShardGraph, plan: ExchangePlan, x: Tensor, x_agg: Tensor | None
+    ) -> Tensor:
         """Logits [n_inner, classes] of ``model`` (in eval mode) over ``graph`` with every
         boundary column (``plan``: the full plan), from features ``x`` [n_inner, F] and the
         precomputed first aggregation ``x_agg`` [n_inner, F] where the model uses one."""

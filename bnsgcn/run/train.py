@@ -342,7 +342,8 @@ def _compile_kernels(comm: Comm) -> None:
     except Exception:  # timed out (or the store is gone): name the machines' ranks not ready
         silent = [f"rank {leaders[n]}" for n, key in enumerate(keys) if not comm.store.check([key])]
         raise PeerLost(
-            f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within {KERNEL_COMPILE_TIMEOUT_S:.0f} s"
+            f"rank {comm.rank}: {', '.join(silent) or 'a rank'} did not finish compiling the CPU kernels within "
+            f"{KERNEL_COMPILE_TIMEOUT_S:.0f} s"
         ) from None
     for node, key in enumerate(keys):
         if (outcome := comm.store.get(key).decode()) != "ready":
@@ -359,7 +360,10 @@ def _run_warmup(rank: int) -> str:
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=KERNEL_COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return f"compiling the CPU kernels took longer than {KERNEL_COMPILE_TIMEOUT_S:.0f} s; run {again} to see where it stops"
+            return (
+                f"compiling the CPU kernels took longer than {KERNEL_COMPILE_TIMEOUT_S:.0f} s; "
+                f"run {again} to see where it stops"
+            )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return f"compiling the CPU kernels failed ({last}); run {again} to see the error, or set BNSGCN_KERNELS=torch"
@@ -739,11 +743,14 @@ def _load_checkpoint(
             path = checkpoint.part_path(run_dir, state["epoch"], comm.rank)
             if (p, seed) != (config.exchange.p, config.run.seed):  # the stale rows belong to those samples
                 raise UserError(
-                    f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 with those, or pass a new --out"
+                    f"{path} holds stale boundary rows sampled with --p {p:g} --seed {seed}; resume --staleness 1 "
+                    "with those, or pass a new --out"
                 )
             written = "lag" if "lag" in part else "stale"  # the two exchanges hold their rows differently
             if written != exchange.checkpoint_part:
-                flags = ("--max-lag", "add --max-lag (any S)") if written == "lag" else ("no --max-lag", "drop --max-lag")
+                flags = (
+                    ("--max-lag", "add --max-lag (any S)") if written == "lag" else ("no --max-lag", "drop --max-lag")
+                )
                 raise UserError(
                     f"{path} was written by a run with {flags[0]}; {flags[1]} to resume it, or pass a new --out"
                 )

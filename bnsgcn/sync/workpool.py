@@ -195,7 +195,8 @@ def merge_partitions(
     n_boundary = len(keys)
     if n_inner + n_boundary >= 2**31:
         raise UserError(
-            f"rank {rank}'s union of partitions has {n_inner + n_boundary} columns, beyond int32 indices; use fewer parts per rank (more ranks)"
+            f"rank {rank}'s union of partitions has {n_inner + n_boundary} columns, beyond int32 indices; use fewer "
+            "parts per rank (more ranks)"
         )
 
     indptr, indices, degree_boundary = [np.zeros(1, np.int64)], [], np.zeros(n_boundary, np.float32)

@@ -95,7 +95,8 @@ def read_split_masks(
         index = np.asarray(splits[split]).reshape(-1)
         if index.size and (not np.issubdtype(index.dtype, np.integer) or index.min() < 0 or index.max() >= num_nodes):
             raise UserError(
-                f"{source}: the {split} split holds node ids outside [0, {num_nodes}); use the split files that came with the dataset"
+                f"{source}: the {split} split holds node ids outside [0, {num_nodes}); use the split files that came "
+                "with the dataset"
             )
         mask = np.zeros(num_nodes, dtype=bool)
         mask[index] = True
@@ -121,7 +122,8 @@ def check_features(features: np.ndarray, num_nodes: int, source: str) -> np.ndar
     """``features`` as C-contiguous float32 [N, F]; UserError on a wrong shape or NaN/inf."""
     if features.ndim != 2 or features.shape[0] != num_nodes:
         raise UserError(
-            f"{source}: features have shape {features.shape}, expected [{num_nodes}, F]; the file does not match the graph"
+            f"{source}: features have shape {features.shape}, expected [{num_nodes}, F]; the file does not match the "
+            "graph"
         )
     if not (np.issubdtype(features.dtype, np.number) or features.dtype == np.bool_) or np.iscomplexobj(features):
         raise UserError(
@@ -136,7 +138,8 @@ def check_features(features: np.ndarray, num_nodes: int, source: str) -> np.ndar
         if not finite.all():
             node = start + int(np.argwhere(~finite)[0, 0])
             raise UserError(
-                f"{source}: features contain NaN or infinite values (first at node {node}); clean the features (fill or drop those values) and try again"
+                f"{source}: features contain NaN or infinite values (first at node {node}); clean the features (fill "
+                "or drop those values) and try again"
             )
     return features
 
@@ -159,7 +162,8 @@ def _check_labels(labels: np.ndarray, num_nodes: int, num_classes: int, multilab
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         bad = int(np.argmax((labels < 0) | (labels >= num_classes)))
         raise UserError(
-            f"{source}: label {labels[bad]} of node {bad} is outside [0, {num_classes}); fix the labels or the class count"
+            f"{source}: label {labels[bad]} of node {bad} is outside [0, {num_classes}); fix the labels or the class "
+            "count"
         )
     return np.ascontiguousarray(labels, dtype=np.int64)
 

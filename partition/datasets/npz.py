@@ -66,7 +66,8 @@ class NpzArrays:
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self:
             raise UserError(
-                f"{self.path} has no array {key!r} (it has {', '.join(self._file.files) or 'none'}); see docs/datasets.md for the expected layout"
+                f"{self.path} has no array {key!r} (it has {', '.join(self._file.files) or 'none'}); see "
+                "docs/datasets.md for the expected layout"
             )
         try:
             return self._file[key]
@@ -138,7 +139,8 @@ def _index_array(arrays: NpzArrays, key: str) -> np.ndarray:
     values = arrays[key]
     if not np.issubdtype(values.dtype, np.integer):
         raise UserError(
-            f"{arrays.path}: {key} has dtype {values.dtype}, expected integers; store node ids and offsets as an integer array (e.g. int32)"
+            f"{arrays.path}: {key} has dtype {values.dtype}, expected integers; store node ids and offsets as an "
+            "integer array (e.g. int32)"
         )
     return values
 
@@ -179,13 +181,15 @@ def read_npz(path: Path, progress: Progress) -> Graph:
             features = dense_from_sparse(*read_sparse(arrays, "attr_"))
         else:
             raise UserError(
-                f"{path} has neither 'features' nor 'attr_data/attr_indices/attr_indptr/attr_shape'; add the node features"
+                f"{path} has neither 'features' nor 'attr_data/attr_indices/attr_indptr/attr_shape'; add the node "
+                "features"
             )
         labels = arrays["labels"]
         present = [key for key in ("train_mask", "val_mask", "test_mask") if key in arrays]
         if present and len(present) != 3:
             raise UserError(
-                f"{path} has {', '.join(present)} but not all of train_mask, val_mask, test_mask; store all three or none"
+                f"{path} has {', '.join(present)} but not all of train_mask, val_mask, test_mask; store all three or "
+                "none"
             )
         if present:
             masks = (arrays["train_mask"], arrays["val_mask"], arrays["test_mask"])
@@ -194,7 +198,8 @@ def read_npz(path: Path, progress: Progress) -> Graph:
     num_nodes = features.shape[0]
     if adj_shape != (num_nodes, num_nodes):
         raise UserError(
-            f"{path}: adjacency shape {adj_shape} does not match {num_nodes} feature rows; the arrays belong to different graphs"
+            f"{path}: adjacency shape {adj_shape} does not match {num_nodes} feature rows; the arrays belong to "
+            "different graphs"
         )
     multilabel = labels.ndim == 2
     if multilabel:

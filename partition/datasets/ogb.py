@@ -232,7 +232,8 @@ def read_ogb(name: str, folder: Path, progress: Progress) -> Graph:
         except Exception as exc:  # ogb reports a damaged file with whatever pandas, numpy or torch raise
             detail = next(iter(str(exc).strip().splitlines()), "")
             raise UserError(
-                f"{source}: the ogb package could not read the dataset ({type(exc).__name__}: {detail}); download the dataset again"
+                f"{source}: the ogb package could not read the dataset ({type(exc).__name__}: {detail}); download the "
+                "dataset again"
             ) from None
     if features is None:
         raise UserError(f"{source}: the dataset has no node features; download the dataset again")

@@ -116,7 +116,8 @@ def restricted_unpickle(handle: BinaryIO, source: str) -> object:
         return _RestrictedUnpickler(handle, encoding="latin1").load()
     except Exception as exc:  # a damaged pickle can fail in any of the opcode handlers
         raise UserError(
-            f"{source} cannot be read ({type(exc).__name__}: {exc}); the file is damaged or not in the expected format, get it again"
+            f"{source} cannot be read ({type(exc).__name__}: {exc}); the file is damaged or not in the expected "
+            "format, get it again"
         ) from None
 
 
@@ -182,7 +183,8 @@ def read_planetoid(name: str, root: Path, progress: Progress) -> Graph:
         or num_train + NUM_VAL > num_known
     ):
         raise UserError(
-            f"{root}: the ind.{name}.* files do not fit together (x/y/tx/ty/allx/ally/test.index sizes differ); use one complete download"
+            f"{root}: the ind.{name}.* files do not fit together (x/y/tx/ty/allx/ally/test.index sizes differ); use "
+            "one complete download"
         )
     num_nodes = max(num_known + tx.shape[0], int(test_index.max()) + 1)
     features = np.zeros((num_nodes, allx.shape[1]), dtype=np.float32)

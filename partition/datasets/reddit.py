@@ -39,7 +39,8 @@ def read_reddit(root: Path, progress: Progress) -> Graph:
     num_nodes = features.shape[0]
     if shape != (num_nodes, num_nodes) or node_types.shape != (num_nodes,):
         raise UserError(
-            f"reddit: {graph_file.name} ({shape}) and {data_file.name} ({num_nodes} nodes) do not match; unzip both files from the same reddit.zip"
+            f"reddit: {graph_file.name} ({shape}) and {data_file.name} ({num_nodes} nodes) do not match; unzip both "
+            "files from the same reddit.zip"
         )
     masks = (node_types == 1, node_types == 2, node_types == 3)
     num_classes = int(labels.max()) + 1 if labels.size else 1

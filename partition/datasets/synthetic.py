@@ -189,7 +189,8 @@ def _draw_edges(
 def fill_features(
     config: SyntheticConfig, labels: np.ndarray, rng: np.random.Generator, features: np.ndarray, progress: Progress
 ) -> None:
-    """Draw the features of ``config`` into ``features`` float32 [N, F] (an array or a memory map), row block by row block."""
+    """Draw the features of ``config`` into ``features`` float32 [N, F] (an array or a memory
+    map), row block by row block."""
     centroids = rng.standard_normal((config.classes, config.features), dtype=np.float32)
     with progress.step(f"drawing {config.nodes:,} x {config.features} features"):
         rows = max(1, CHUNK // config.features)
