@@ -7,9 +7,11 @@ here changes that path.
 The other modes are *decoupled*: each rank steps with its own gradient, rescaled to its own
 mean loss (the engine divides the loss by the job's training-node count ``N``; a rank or
 group with ``n`` training nodes multiplies its summed gradient by ``N / n``), and ranks meet
-only as the mode says (REFERENCE.md sections 4 and 5). Where ranks meet in a step they take
-a *sync step*: before the optimizer step the members average their state (parameters and
-Adam's moments) *and* their gradients, weighted by training nodes,
+only as the mode says (gossip pairs as in the thesis that trained Cluster-GCN partitions
+with gossip and a work pool; grouped and partial reduction as in the straggler-mitigation
+studies g-ARAR and mw-PR). Where ranks meet in a step they take a *sync step*: before the
+optimizer step the members average their state (parameters and Adam's moments) *and* their
+gradients, weighted by training nodes,
 
 .. math::
     s = \frac{\sum_{r} n_r s_r}{\sum_r n_r}, \qquad

@@ -13,8 +13,9 @@ A pool step leaves each rank with the gradient of its partition's summed loss. T
   the ranks' busy seconds, as without a pool, less the time of building the partition's
   graph, which a rank does once per partition). Every ``G`` rounds a group's leader publishes
   its parameters in the store, takes the mean of the newest parameters every leader has
-  published (its own included) and broadcasts it in its group: g-ARPS (REFERENCE.md
-  section 5). No leader waits for another group, which may have run out of partitions.
+  published (its own included) and broadcasts it in its group: g-ARPS, as the
+  straggler-mitigation studies of grouped reduction named it. No leader waits for another
+  group, which may have run out of partitions.
 * ``partial:P``: each step on a partition is one arrival; an epoch has ``K`` of them
   (one per partition), counted in the store, and arrivals ``kP+1 .. kP+P`` form a round (the
   last holds ``K mod P``). With ``P <= W`` ranks no round waits for ever: at most

@@ -1,6 +1,7 @@
 r"""``--work-pool``: more partitions than ranks, handed out from a pool in the job's store.
 
-The scheme of Cluster-GCN with gossip (REFERENCE.md section 4): a partition set of ``K``
+The scheme of the thesis that trained Cluster-GCN partitions with gossip and a work pool (fast
+workers take more partitions): a partition set of ``K``
 parts trains on ``W <= K`` ranks. Each epoch's pool holds the ``K`` partition ids in an
 order drawn from (``--seed``, epoch); a rank takes the next one with one atomic counter in
 the store (``pool/<epoch>``: ``store.add`` hands out ``0, 1, 2, ...``, so every index, and
