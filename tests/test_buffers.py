@@ -16,8 +16,9 @@ from bnsgcn.kernels import buffers
 from bnsgcn.kernels.buffers import BufferPool, pooled
 from bnsgcn.kernels.dense import linear_pair, linear_sum
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 ROWS = 1 << 13  # [ROWS, 64] float32: 2 MiB, above the pool's 1 MiB threshold
 

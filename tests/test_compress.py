@@ -16,7 +16,8 @@ from bnsgcn.comm.wire import FORMATS, WireFormat, dequantize, quantize
 from bnsgcn.config import TrainConfig
 from bnsgcn.kernels import ENV_VAR
 
-from .distributed import partition, random_graph, run_ranks
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 
 def _step_bound(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ from bnsgcn.partition.datasets import load_dataset
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import write_partition_set
 
-from .distributed import SHARED_DATA, run_ranks
+from .helpers.graphs import SHARED_DATA
+from .helpers.ranks import run_ranks
 
 # (model, flags, bar): the published single-process figures are GCN 81.5%, GAT 83.0%
 MODELS = [

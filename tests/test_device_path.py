@@ -16,19 +16,14 @@ from bnsgcn.errors import UserError
 from bnsgcn.kernels import Adjacency
 from bnsgcn.metrics.timing import DeviceClock
 
-from .distributed import (
-    free_port,
-    graph_with_island,
-    partition,
-    random_graph,
-    run_ranks,
-)
-from .syncs import instrument
+from .helpers.device_syncs import instrument
+from .helpers.graphs import graph_with_island, partition, random_graph
+from .helpers.ranks import free_port, run_ranks
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 
 # Every call in the engine's epoch loop that reads tensor data on the host or copies host
-# data to a device without non_blocking (tests/syncs.py),
+# data to a device without non_blocking (tests/helpers/device_syncs.py),
 # as recorded with the pure-torch kernels (the ones CUDA runs). "device": the tensor is on
 # the GPU there, so the call waits for it (each is listed in docs/training.md); "host": the
 # tensor lives on the CPU on every device (the topology, samples, the gathered table).
@@ -248,7 +243,7 @@ def test_recorder_names_engine_reads_and_ignores_others():
     its function, one made elsewhere (here, the test) is not, nor anything while paused."""
     from bnsgcn.run import train
 
-    from .syncs import SyncRecorder
+    from .helpers.device_syncs import SyncRecorder
 
     recorder = SyncRecorder()
     with recorder:

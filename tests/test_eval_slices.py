@@ -14,8 +14,9 @@ from bnsgcn.exchange.sliced import slice_width
 from bnsgcn.metrics import report
 from bnsgcn.run import evaluate
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 VARIANTS = [("graphsage", True), ("graphsage", False), ("gcn", True), ("gcn", False), ("gat", False)]
 ONE_COLUMN = 1e-7  # MiB: every slice one column (of every head, for gat)

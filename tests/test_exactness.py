@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
-
-VARIANTS = [
-    ("graphsage", True),
-    ("graphsage", False),
-    ("gcn", True),
-    ("gcn", False),
-    ("gat", False),
-]  # gat: --precompute is refused (not exact)
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
+from .helpers.reference import VARIANTS
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

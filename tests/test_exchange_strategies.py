@@ -11,7 +11,8 @@ import pytest
 
 from bnsgcn.config import TrainConfig
 
-from .distributed import partition, random_graph, run_ranks
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 WORLD, EPOCHS = 3, 3
 # setting -> (the strategy the factory must build, whether rows move)

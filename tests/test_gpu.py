@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
-from .syncs import instrument_cuda_syncs
+from .helpers import reference
+from .helpers.device_syncs import instrument_cuda_syncs
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU visible: the GPU tests need one (they are not a pass here)"

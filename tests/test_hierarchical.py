@@ -21,13 +21,8 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.data.format import load_partition
 from bnsgcn.data.sampler import sample_boundary
 
-from .distributed import (
-    free_port,
-    graph_with_island,
-    partition,
-    random_graph,
-    run_ranks,
-)
+from .helpers.graphs import graph_with_island, partition, random_graph
+from .helpers.ranks import free_port, run_ranks
 
 RANKS_PER_NODE = 2
 SEED = 5

@@ -35,9 +35,8 @@ import pytest
 from bnsgcn.config import TrainConfig, validate
 from bnsgcn.errors import UserError
 
-from .distributed import partition, random_graph, run_ranks
-from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import (
+from .helpers.cli import TRAIN, assert_user_error, clean_env, run_cli
+from .helpers.faults import (
     FINISH_S,
     START_S,
     assert_hung_rank_named,
@@ -51,7 +50,8 @@ from .test_faults import (
     train_args,
     wait_for,
 )
-from .test_slurm import clean_env
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 WORLD = 3
 

@@ -71,7 +71,7 @@ def test_each_model_builds_only_the_adjacencies_it_uses(tmp_path):
     from bnsgcn.data.shard import load_shard
     from bnsgcn.nn.graph import ShardGraph
 
-    from .distributed import partition, random_graph
+    from .helpers.graphs import partition, random_graph
 
     topology = load_shard(partition(random_graph(40, seed=2), 2, tmp_path / "parts"), 0, 2).topology
     gat = ShardGraph(topology, "gat", torch.device("cpu"))

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from .distributed import free_port, partition, random_graph
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import free_port
 
 FLAGS = [
     "--p",

@@ -20,8 +20,9 @@ from bnsgcn.comm.plan import fetch_boundary, make_plan
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import load_shard
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"2 NCCL ranks need 2 CUDA GPUs; this machine has {GPUS}")

@@ -12,40 +12,15 @@ import pytest
 import bnsgcn.partition.order as order_module
 from bnsgcn.data.format import load_partition, read_manifest
 from bnsgcn.errors import UserError
-from bnsgcn.partition.graph import Graph, canonical_csr
+from bnsgcn.partition.graph import Graph
 from bnsgcn.partition.order import block_positions
 from bnsgcn.partition.partitioner import assign, method_info
 from bnsgcn.partition.writer import find_reusable, write_partition_set
 
-from . import reference
-from .distributed import random_graph, run_ranks
-from .test_exactness import VARIANTS
-
-
-def community_graph(communities: int = 8, size: int = 250, seed: int = 0) -> Graph:
-    """``communities`` groups of ``size`` nodes, 12 edges per node inside its group and 1 to
-    anywhere, with the node ids shuffled: ascending ids say nothing about who neighbours whom."""
-    rng = np.random.default_rng(seed)
-    n = communities * size
-    group = rng.permutation(n) // size  # node -> community, ids shuffled
-    members = np.argsort(group, kind="stable").reshape(communities, size)
-    src = np.repeat(np.arange(n), 6)
-    inside = members[group[src], rng.integers(0, size, src.shape[0])]
-    anywhere = rng.integers(0, n, n // 2)
-    indptr, indices, _ = canonical_csr(np.concatenate([src, np.arange(n // 2)]), np.concatenate([inside, anywhere]), n)
-    labels = group % 4
-    split = rng.random(n)
-    return Graph(
-        "communities",
-        indptr,
-        indices,
-        rng.standard_normal((n, 4)).astype(np.float32),
-        labels,
-        split < 0.5,
-        (split >= 0.5) & (split < 0.75),
-        split >= 0.75,
-        4,
-    )
+from .helpers import reference
+from .helpers.graphs import community_graph, random_graph
+from .helpers.ranks import run_ranks
+from .helpers.reference import VARIANTS
 
 
 def near_fraction(graph: Graph, assignment: np.ndarray, position: np.ndarray, window: int) -> float:

@@ -8,7 +8,7 @@ and its gradient at those entries alone.
   owner is the gathered rows' gradient summed at each index, kept where the entry was
   nonzero and zero elsewhere (a loop in the test), and the dense path's where it was nonzero.
 * Two ranks at p = 1 without dropout (ReLU zeros alone), ``--nonzero-rows on``: the dense
-  float64 reference of :mod:`tests.reference`, for GraphSAGE and GCN.
+  float64 reference of :mod:`tests.helpers.reference`, for GraphSAGE and GCN.
 * Two ranks, whole runs with sampling and dropout: the same losses, gradients at every step
   and final parameters, bit for bit, as ``--nonzero-rows off`` (whose GraphSAGE multiplies
   first at equal widths: made to aggregate first there, the same sums); fewer feature and
@@ -32,9 +32,9 @@ from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.exchange.synchronous import BoundaryExchange
 from bnsgcn.metrics import report
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
-from .test_remat import record_gradients
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import record_gradients, run_ranks
 
 
 def _one_rank_exchange(nonzero_rows: bool, x: torch.Tensor, plan: ExchangePlan, weights: torch.Tensor):

@@ -440,7 +440,8 @@ def test_step_shorter_than_the_heartbeat_shows_none():
 
 def test_synthetic_dataset_end_to_end(tmp_path, capsys):
     from bnsgcn.partition.datasets import load_dataset
-    from tests.test_partition import check_partition_set
+
+    from .helpers.partition_sets import check_partition_set
 
     spec = "synthetic:nodes=600,degree=8,features=4,classes=3,seed=2"
     out = tmp_path / "set"

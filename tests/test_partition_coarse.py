@@ -31,7 +31,8 @@ from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec
 from bnsgcn.partition.graph import Graph
 from bnsgcn.partition.partitioner import assign, method_info, resolve_method
 from bnsgcn.partition.writer import write_partition_set
-from tests.test_partition import (
+
+from .helpers.partition_sets import (
     check_partition_set,
     clustered_graph,
     isolated_graph,

@@ -25,10 +25,10 @@ import pytest
 from bnsgcn.data.format import PART_ARRAYS, sha256_file
 from bnsgcn.data.shard import load_shard
 from bnsgcn.metrics import report
-from bnsgcn.nn.optim import Adam
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import record_gradients, run_ranks
 
 VARIANTS = [("graphsage", True), ("graphsage", False), ("gcn", True), ("gcn", False), ("gat", False)]
 
@@ -56,24 +56,6 @@ def test_remat_at_p1_matches_the_dense_reference(graph, parts, tmp_path):
     results = run_ranks(2, configs)
     for i, config in enumerate(configs):
         reference.assert_run_matches(config, graph, [results[rank][i]["params"] for rank in range(2)])
-
-
-def record_gradients():
-    """Inside a rank: record every parameter gradient at each optimizer step (run_ranks' instrument)."""
-    steps: list[list[np.ndarray]] = []
-    real_step = Adam.step
-
-    def step(self, *args, **kwargs):
-        steps.append([p.grad.detach().clone().numpy() for p in self.params])
-        return real_step(self, *args, **kwargs)
-
-    Adam.step = step
-
-    def collect():
-        Adam.step = real_step
-        return steps
-
-    return collect
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -17,7 +17,8 @@ from bnsgcn.metrics import report
 from bnsgcn.metrics.accounting import COLUMNS
 from bnsgcn.metrics.memory import HOLDERS
 
-from .distributed import partition, random_graph, run_ranks
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 MiB = 2**20
 FLOAT = 4  # bytes per float32 value

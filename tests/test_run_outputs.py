@@ -17,8 +17,9 @@ from bnsgcn.nn.model import GNN
 from bnsgcn.run.train import _score_counts, _scores
 from bnsgcn.sync.reducer import GradientReducer
 
-from . import reference
-from .distributed import partition, random_graph, run_ranks
+from .helpers import reference
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 TIME_KEYS = {
     "epoch",
@@ -85,7 +86,7 @@ def test_metrics_log_json_and_config(tmp_path):
     assert written["precompute"] is True  # graphsage's default
     assert written["out"] == str(run_dir)
     assert written["device"] == "cpu"
-    assert written["threads"] == 1  # what the ranks of tests/distributed.py run with
+    assert written["threads"] == 1  # what the ranks of tests/helpers/ranks.py run with
     assert written["world_size"] == 2
 
 

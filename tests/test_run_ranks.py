@@ -7,7 +7,8 @@ import torch
 from bnsgcn.config import TrainConfig
 from bnsgcn.kernels.backend import ENV_VAR, kernel_backend
 
-from .distributed import partition, random_graph, run_ranks
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 
 def kernels_in_use():

@@ -15,7 +15,8 @@ from bnsgcn.data.shard import load_shard
 from bnsgcn.kernels import spmm
 from bnsgcn.nn.graph import ShardGraph
 
-from .distributed import partition, random_graph, run_ranks
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 
 def _metrics(run_dir) -> list[dict]:

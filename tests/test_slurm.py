@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,10 +39,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .distributed import free_port, partition, random_graph
-from .test_faults import descendants, epoch_records, rank_process
+from .helpers.cli import TRAIN, clean_env
+from .helpers.faults import descendants, epoch_records, rank_process
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import free_port
 
-TRAIN = [sys.executable, "-m", "bnsgcn.launch.cli"]
 RECIPE = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slurm-local.sh"
 SLURM_DIR = Path(os.environ.get("BNSGCN_SLURM_DIR", "/tmp/bnsgcn-slurm"))
 SLURM_CONF = SLURM_DIR / "etc" / "slurm.conf"
@@ -67,22 +67,6 @@ FLAGS = [
     "--timeout",
     "60",
 ]
-# Variables of an enclosing launch that must not leak into the jobs started here.
-LAUNCH_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "BNSGCN_LAUNCH",
-)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
-    return env | extra
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -26,8 +26,9 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.data.format import load_partition
 from bnsgcn.data.sampler import sample_boundary
 
-from .distributed import partition, random_graph, run_ranks
-from .reference import dense_adjacency, exact_config, initial_params
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
+from .helpers.reference import dense_adjacency, exact_config, initial_params
 
 WORLD = 3
 NODES = [0, 0, 1]  # two ranks share a node: rows are relayed there (node-aware exchange)
@@ -237,7 +238,7 @@ def test_the_reference_tells_stale_from_exact(graph, parts, tmp_path):
     stale, _ = StaleReference(config, graph, parts).train()
     exact, _ = StaleReference(config.replace(epochs=1), graph, parts).train()
     assert stale[0] == exact[0]  # the first epoch is exact
-    from .reference import train
+    from .helpers.reference import train
 
     exact_losses, _ = train(config.replace(staleness=0), graph)
     assert stale[0] == pytest.approx(exact_losses[0], rel=1e-9)

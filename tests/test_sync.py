@@ -38,16 +38,10 @@ from bnsgcn.sync import averaging as paramsync
 from bnsgcn.sync.averaging import find_partner
 from bnsgcn.sync.delay import InjectedDelay
 
-from .distributed import (
-    cora_metis,
-    final_test_score,
-    free_port,
-    partition,
-    random_graph,
-    run_ranks,
-)
-from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
+from .helpers.cli import TRAIN, assert_user_error, run_cli
+from .helpers.faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
+from .helpers.graphs import cora_metis, partition, random_graph
+from .helpers.ranks import final_test_score, free_port, run_ranks
 
 MODES = ("grouped:2", "partial:2", "gossip:1")
 

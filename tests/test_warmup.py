@@ -19,8 +19,9 @@ import pytest
 
 from bnsgcn.config import TrainConfig
 
-from .distributed import partition, random_graph, run_ranks
-from .test_errors import RANK_VARIABLES, TRAIN
+from .helpers.cli import RANK_VARIABLES, TRAIN
+from .helpers.graphs import partition, random_graph
+from .helpers.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,16 +28,11 @@ from bnsgcn.errors import UserError
 from bnsgcn.partition.partitioner import assign
 from bnsgcn.sync.workpool import merge_partitions, pool_order
 
-from .distributed import (
-    cora_metis,
-    final_test_score,
-    partition,
-    random_graph,
-    run_ranks,
-)
-from .reference import dense_adjacency, initial_params
-from .test_errors import TRAIN, assert_user_error, run_cli
-from .test_faults import assert_killed_rank_is_named, train_args
+from .helpers.cli import TRAIN, assert_user_error, run_cli
+from .helpers.faults import assert_killed_rank_is_named, train_args
+from .helpers.graphs import cora_metis, partition, random_graph
+from .helpers.ranks import final_test_score, run_ranks
+from .helpers.reference import dense_adjacency, initial_params
 
 PARTS = 6
 

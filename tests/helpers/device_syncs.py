@@ -1,7 +1,7 @@
 """Record, during the epochs of a run, every call in bnsgcn's own code that reads a tensor's
 data on the host: on CUDA each such call on a device tensor waits for the device.
 
-:func:`instrument` is handed to :func:`tests.distributed.run_ranks`: inside each rank it
+:func:`instrument` is handed to :func:`tests.helpers.ranks.run_ranks`: inside each rank it
 wraps ``bnsgcn.run.train._train`` in a :class:`torch.overrides.TorchFunctionMode` that records
 from the first training epoch until the report is written. A call is named by where it is
 made, ``module.function:operation`` (``exchange.exchange_selections:cpu``); calls made

@@ -1,4 +1,5 @@
-"""Test helpers: small graphs, partition sets, and running N ranks of the engine in-process."""
+"""Running N ranks of the engine in-process (:func:`run_ranks`), the ports they meet on, what a
+run ends with, and instruments a rank can run with."""
 
 from __future__ import annotations
 
@@ -15,94 +16,18 @@ import numpy as np
 import torch
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.partition.graph import Graph, canonical_csr
-from bnsgcn.partition.partitioner import assign, method_info
-from bnsgcn.partition.writer import write_partition_set
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def random_graph(
-    num_nodes: int = 60,
-    avg_degree: int = 4,
-    features: int = 8,
-    classes: int = 3,
-    seed: int = 0,
-    multilabel: bool = False,
-) -> Graph:
-    """A random graph with an isolated node, features that carry the label, and a split."""
-    rng = np.random.default_rng(seed)
-    m = num_nodes * avg_degree // 2
-    src, dst = rng.integers(0, num_nodes - 1, m), rng.integers(0, num_nodes - 1, m)  # node N-1 isolated
-    indptr, indices, _ = canonical_csr(src, dst, num_nodes)
-    if multilabel:
-        labels = (rng.random((num_nodes, classes)) < 0.4).astype(np.uint8)
-        signal = labels.astype(np.float32) @ rng.normal(size=(classes, features)).astype(np.float32)
-    else:
-        labels = rng.integers(0, classes, num_nodes).astype(np.int64)
-        signal = np.eye(classes, features, dtype=np.float32)[labels]
-    x = (signal + rng.normal(scale=0.5, size=(num_nodes, features))).astype(np.float32)
-    role = rng.permutation(num_nodes)
-    train, val, test = (np.zeros(num_nodes, bool) for _ in range(3))
-    train[role[: num_nodes // 2]] = True
-    val[role[num_nodes // 2 : 3 * num_nodes // 4]] = True
-    test[role[3 * num_nodes // 4 :]] = True
-    return Graph("random", indptr, indices, x, labels, train, val, test, classes, multilabel=multilabel)
-
-
-def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed: int = 0) -> Path:
-    assignment = assign(graph, parts, method=method, seed=seed)
-    write_partition_set(
-        graph, assignment, out, parts=parts, method_info=method_info(method, "cut", seed), progress=False
-    )
-    return out
-
-
-def cora_metis(parts: int, out: Path) -> Path:
-    """The Cora of ../shared/data (public split), METIS into ``parts``, written to ``out``."""
-    from bnsgcn.partition.datasets import load_dataset
-
-    graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
-    return partition(graph, parts, out, method="metis")
+from bnsgcn.nn.optim import Adam
 
 
 def final_test_score(metrics: Path, epochs: int) -> float:
     """The test accuracy of the model a run ends with: its last epoch's evaluation (every run
     evaluates after its last epoch; with a decoupled ``--sync``, after the final average).
     Not the summary's score at the best-validation epoch: picking one of many evaluations by
-    Cora's 500 validation nodes adds noise of its own (tests/test_sync.py, test_workpool.py)."""
+    Cora's 500 validation nodes adds noise of its own (test_sync.py, test_workpool.py)."""
     (last,) = [
         r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r
     ]
     return last["test_score"]
-
-
-def graph_with_island(out: Path) -> Path:
-    """A 4-part set whose partition 3 is a component of its own: no boundary node, and no
-    other rank needs its rows (zero-sized splits in every all-to-all it takes part in)."""
-    main, island = random_graph(num_nodes=90, avg_degree=5, seed=11), random_graph(num_nodes=30, avg_degree=4, seed=12)
-    n = main.num_nodes + island.num_nodes
-    rows = np.concatenate(
-        [
-            np.repeat(np.arange(g.num_nodes), np.diff(g.indptr)) + offset
-            for g, offset in ((main, 0), (island, main.num_nodes))
-        ]
-    )
-    sources = np.concatenate([main.indices, island.indices + main.num_nodes])
-    indptr, indices, _ = canonical_csr(sources, rows, n)
-    joined = Graph(
-        "joined",
-        indptr,
-        indices,
-        *(
-            np.concatenate([getattr(main, k), getattr(island, k)])
-            for k in ("features", "labels", "train_mask", "val_mask", "test_mask")
-        ),
-        main.num_classes,
-    )
-    assignment = np.concatenate([np.arange(main.num_nodes) % 3, np.full(island.num_nodes, 3)])
-    write_partition_set(joined, assignment, out, parts=4, method_info=method_info("random", "cut", 0), progress=False)
-    return out
 
 
 _HANDED_OUT: set[int] = set()
@@ -181,9 +106,11 @@ def _rank_main(
 
 def _rank_context():
     """Rank processes forked from a server that imported torch and the engine once
-    (:mod:`tests.rank_preload`), instead of spawned to import them again."""
+    (:mod:`tests.helpers.preload`), instead of spawned to import them again. The server finds
+    the modules by name from the repository root (the current directory when pytest runs
+    there); from elsewhere it does without them and each rank imports what it needs."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.rank_preload", "tests.distributed"])
+    ctx.set_forkserver_preload(["tests.helpers.preload", "tests.helpers.ranks"])
     return ctx
 
 
@@ -230,3 +157,21 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
     return results
+
+
+def record_gradients():
+    """Inside a rank: record every parameter gradient at each optimizer step (run_ranks' instrument)."""
+    steps: list[list[np.ndarray]] = []
+    real_step = Adam.step
+
+    def step(self, *args, **kwargs):
+        steps.append([p.grad.detach().clone().numpy() for p in self.params])
+        return real_step(self, *args, **kwargs)
+
+    Adam.step = step
+
+    def collect():
+        Adam.step = real_step
+        return steps
+
+    return collect

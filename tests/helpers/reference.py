@@ -110,6 +110,16 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     return losses, {k: v.detach() for k, v in params.items()}
 
 
+# (model, --precompute) of the exactness tests; GAT without: --precompute is refused for it (not exact)
+VARIANTS = [
+    ("graphsage", True),
+    ("graphsage", False),
+    ("gcn", True),
+    ("gcn", False),
+    ("gat", False),
+]
+
+
 def exact_config(model: str, precompute: bool, parts_dir, out, **overrides) -> TrainConfig:
     """A small configuration under which a partition-parallel run must equal :func:`train`:
     p = 1 and no dropout."""
