@@ -5,7 +5,8 @@ offline step, ``launch/`` the launcher), installed as ``bnsgcn``, ``bnsgcn.parti
 ``bnsgcn.launch``. The engine never imports the other two. Inside the engine, each stage of
 an epoch is a sub-package, and a stage imports only the stages before it in the flow
 (data -> comm -> exchange -> nn -> sync -> run) and the foundations every stage uses
-(errors, device, config, kernels, metrics), which import no stage.
+(errors, device, config, kernels, metrics), which import no stage. The tests share their
+helpers through ``tests/helpers/``: no test file imports another.
 """
 
 from __future__ import annotations
@@ -193,3 +194,66 @@ def test_the_wheel_installs_only_the_bnsgcn_name(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "bnsgcn.partition.cli:main" in text and "bnsgcn.launch.cli:entry" in text
+
+
+# --- the tests: no test file imports another; shared helpers live in tests/helpers/ ----------------
+
+TESTS = REPO / "tests"
+
+
+def _imports_of_test_modules(root: Path) -> list[str]:
+    """``path:line imports module`` for every import, in a ``test_*.py`` file anywhere under
+    ``root`` (the tests package), of a test module: one named ``test_*`` in the package (by
+    absolute or relative name, or as ``from <package> import test_x``), or a bare ``test_*``
+    module (a sibling, where the tests directory is on sys.path)."""
+    bad = []
+    for path in sorted(root.rglob("test_*.py")):
+        package = [root.name, *path.relative_to(root).parent.parts]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                modules = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                inside = parts[0] == root.name and any(part.startswith("test_") for part in parts[1:])
+                if inside or parts[0].startswith("test_"):
+                    bad.append(f"{path.relative_to(root.parent)}:{node.lineno} imports {module}")
+                    break
+    return bad
+
+
+def test_no_test_file_imports_another():
+    assert _imports_of_test_modules(TESTS) == []
+
+
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("test_a.py", "from .test_b import helper"),
+        ("test_a.py", "from . import test_b"),
+        ("test_a.py", "from tests.test_b import helper"),
+        ("test_a.py", "import tests.test_b"),
+        ("test_a.py", "from tests import test_b"),
+        ("test_a.py", "import test_b"),
+        ("benchmarks/test_c.py", "from ..test_b import helper"),
+        ("benchmarks/test_c.py", "from ...tests.test_b import helper"),
+        ("test_a.py", "def f():\n    from .test_b import helper"),
+    ],
+)
+def test_the_test_import_check_catches_each_form(tmp_path, module, line):
+    # the check itself must be able to fail: a fake tests package with one import of a test module
+    tests = tmp_path / "tests"
+    (tests / "helpers").mkdir(parents=True)
+    (tests / "benchmarks").mkdir()
+    for name in ("__init__.py", "helpers/__init__.py", "benchmarks/__init__.py", "test_b.py"):
+        (tests / name).write_text("")
+    good = "import numpy\nfrom .helpers import graphs\nfrom tests.helpers.ranks import run_ranks\n"
+    (tests / "test_good.py").write_text(good + "from bnsgcn.testing import test_x\n")
+    (tests / module).write_text(good + line + "\n")
+    (found,) = _imports_of_test_modules(tests)
+    assert found.startswith(f"tests/{module}:{4 + line.count(chr(10))} imports ")
