@@ -7,12 +7,11 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from ..helpers import REPO
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -9,14 +9,12 @@ import json
 import subprocess
 import sys
 from datetime import date
-from pathlib import Path
 
 import pytest
 
 from benchmarks import stragglers as st
 
-REPO = Path(__file__).resolve().parents[1]
-
+from ..helpers import REPO
 
 # ---------------------------------------------------------------------------- arithmetic
 

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,8 @@ from benchmarks.accuracy import (
     validation_curve,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from ..helpers import REPO
+
 TINY = "synthetic:nodes=400,degree=4,classes=4,features=8"
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks import roofline as rl
 
-REPO = Path(__file__).resolve().parents[1]
+from ..helpers import REPO
+
 GIGA = 1e9
 
 
