@@ -1,4 +1,4 @@
-"""The GPU path checked on CPU (issue 13, part 1): device-time clocks, no hidden device
+"""The GPU path checked on CPU: device-time clocks, no hidden device
 synchronisation in the epoch loop, all-to-all splits NCCL accepts (zeros included)."""
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ def test_all_to_all_refuses_splits_nccl_would_refuse():
     "nccl_says, expected",
     [
         (
-            "NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60",
+            "NCCL error in: NCCLUtils.cpp:93, invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 "
+            "both on CUDA device 60",
             UserError,
         ),
         ("NCCL error in: NCCLUtils.cpp:93, unhandled system error", torch.distributed.DistBackendError),

@@ -1,5 +1,5 @@
-"""Evaluation in column slices (bnsgcn.run.evaluate, bnsgcn.exchange.sliced): the same logits as the unsliced pass and as
-the dense float64 reference, for every model, with direct and node-aware exchange; smaller
+"""Evaluation in column slices (bnsgcn.run.evaluate, bnsgcn.exchange.sliced): the same logits as
+the unsliced pass and as the dense float64 reference, for every model, with direct and node-aware exchange; smaller
 buffers in the memory report."""
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ def _check_logits(configs, results, graph, world):
             records = results[rank][i]["instrumented"]
             assert records, "no evaluation ran"
             for sliced, unsliced, slices in records:
-                label = f"{config.model.name} precompute={config.model.use_precompute} {config.exchange.mode} buffer={config.evaluation.buffer_mib} rank {rank}"
+                label = (
+                    f"{config.model.name} precompute={config.model.use_precompute} {config.exchange.mode} "
+                    f"buffer={config.evaluation.buffer_mib} rank {rank}"
+                )
                 assert slices > config.model.layers, label  # really sliced: several slices per exchanging layer
                 # bit-identical: each output column is the same sum, in the same order, whatever the slice
                 np.testing.assert_array_equal(sliced, unsliced, err_msg=label)

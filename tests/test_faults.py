@@ -139,7 +139,10 @@ def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
         parts, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s)
     )
     # rank 0 names the timeout, and the hung rank from the progress every rank reports through the store
-    pattern = r"^error: rank 0 failed \(exit code 4\): error: \[rank 0\] communication with the other ranks failed: Timed out.*; rank 1 stopped at epoch \d+ while the others waited$"
+    pattern = (
+        r"^error: rank 0 failed \(exit code 4\): error: \[rank 0\] communication with the other ranks failed: "
+        r"Timed out.*; rank 1 stopped at epoch \d+ while the others waited$"
+    )
     assert_hung_rank_named(tmp_path, args, timeout_s, pattern)
 
 

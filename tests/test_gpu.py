@@ -1,4 +1,4 @@
-"""The engine on one CUDA GPU (issue 13, part 2): one NCCL rank, against the CPU run.
+"""The engine on one CUDA GPU: one NCCL rank, against the CPU run.
 
 Skipped, with the reason, where no CUDA GPU is visible: a skip is not a pass (pytest counts
 skips apart; `pytest -rs` names them). On a GPU machine run

@@ -173,9 +173,12 @@ def test_every_model_and_mode_equals_direct_on_uneven_nodes(tmp_path):
 
 def test_auto_picks_hierarchical_only_across_shared_nodes(tmp_path):
     parts = partition(random_graph(num_nodes=80, avg_degree=4, seed=2), 2, tmp_path / "parts")
-    config = lambda name: TrainConfig.from_settings(
-        parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name
-    )  # noqa: E731
+
+    def config(name: str) -> TrainConfig:
+        return TrainConfig.from_settings(
+            parts_dir=parts, p=0.5, layers=2, hidden=4, epochs=1, device="cpu", out=tmp_path / name
+        )
+
     run_ranks(2, [config("one-node")])
     # one rank per node: nothing to relay. On CPU: emulated nodes share this machine's GPUs,
     # so --device auto would put both ranks on GPU 0.

@@ -491,7 +491,8 @@ def test_torch_backend_never_widens_an_index_to_int64(monkeypatch):
         e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [adj.nnz]
     ]
     assert not widened, (
-        f"{len(widened)} copies of an [nnz] tensor, e.g. under {widened[0].cpu_parent.name if widened[0].cpu_parent else '?'}"
+        f"{len(widened)} copies of an [nnz] tensor, e.g. under "
+        f"{widened[0].cpu_parent.name if widened[0].cpu_parent else '?'}"
     )
 
 

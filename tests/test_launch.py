@@ -134,7 +134,8 @@ def test_all_ranks_succeed_and_output_is_forwarded():
 def test_failing_rank_stops_the_others_quickly():
     failing = (
         PRINT_PID
-        + "; import sys, time; print('warming up', file=sys.stderr); time.sleep(1.0); print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+        + "; import sys, time; print('warming up', file=sys.stderr); time.sleep(1.0); print('ValueError: boom', "
+        "file=sys.stderr); sys.exit(3)"
     )
     children = [Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", failing]), Child(2, [PY, "-c", SLEEP])]
     status, out, err, elapsed = run_supervised(children)
@@ -149,7 +150,8 @@ def test_failing_rank_stops_the_others_quickly():
 def test_rank_killed_by_signal_is_reported_by_name():
     dying = (
         PRINT_PID
-        + "; import os, signal, sys, time; time.sleep(0.5); print('about to die', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        + "; import os, signal, sys, time; time.sleep(0.5); print('about to die', file=sys.stderr, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
     )
     status, out, err, _ = run_supervised([Child(0, [PY, "-c", SLEEP]), Child(1, [PY, "-c", dying])])
     assert status == 128 + signal.SIGKILL
@@ -177,7 +179,10 @@ def test_rank_ignoring_sigterm_and_its_grandchild_are_killed_after_the_grace_per
 
 
 def test_grandchild_of_a_successful_rank_is_not_left_behind():
-    spawner = "import subprocess, sys; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('pid', g.pid, flush=True)"
+    spawner = (
+        "import subprocess, sys; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print('pid', g.pid, flush=True)"
+    )
     status, out, _, _ = run_supervised([Child(0, [PY, "-c", spawner])])
     assert status == 0
     [grandchild] = pids_in(out)
@@ -391,8 +396,8 @@ def test_gpus_beyond_this_machine_names_the_cpu_alternative(tmp_path, monkeypatc
     status, _, err = run_cli(["--gpus", str(n)], capsys)
     assert status == 2
     assert (
-        err
-        == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU with --procs {n} instead\n"
+        err == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU "
+        f"with --procs {n} instead\n"
     )
 
 
@@ -420,7 +425,8 @@ def test_ranks_must_match_partitions(tmp_path, monkeypatch, capsys, clean_enviro
     assert status == 2
     assert (
         err
-        == f"error: 3 ranks but partition set {two} has 2 partitions; run 2 ranks (e.g. --procs 2 on one machine) or re-partition into 3 parts with bnsgcn-partition\n"
+        == f"error: 3 ranks but partition set {two} has 2 partitions; run 2 ranks (e.g. --procs 2 on one machine) or "
+        "re-partition into 3 parts with bnsgcn-partition\n"
     )
 
 
@@ -674,7 +680,7 @@ def test_ranks_get_huge_pages_unless_the_user_chose(tmp_path, monkeypatch, clean
     assert {c.env["THP_MEM_ALLOC_ENABLE"] for c in children} == {"0"}
 
 
-# --- SLURM and torchrun behaviour (issue 15), without a cluster ---------------------------
+# --- SLURM and torchrun behaviour, without a cluster -------------------------------------------
 
 
 def test_restart_count_of_torchrun_or_a_requeued_slurm_job():
@@ -761,7 +767,8 @@ def test_too_many_launchers_per_node_are_refused(tmp_path, monkeypatch, capsys, 
     status, _, err = run_cli(["--nnodes", "2", "--node-rank", "1", "--procs", "1"], capsys)
     assert status == 2
     assert err.startswith(
-        "error: this srun step runs 8 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1 "
+        "error: this srun step runs 8 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n "
+        "$SLURM_NNODES --ntasks-per-node=1 "
     )
 
 
@@ -791,7 +798,8 @@ def test_master_address_that_does_not_resolve_fails_at_once(mode_env, tmp_path, 
     assert status == 2
     rank = "[rank 1] " if mode_env else ""
     assert re.fullmatch(
-        rf"error: {re.escape(rank)}master address 'no-such-host.invalid' does not resolve \([^)]*\); pass --master-addr .*\n",
+        rf"error: {re.escape(rank)}master address 'no-such-host.invalid' does not resolve \([^)]*\); pass "
+        r"--master-addr .*\n",
         err,
     )
     assert trained == []

@@ -143,7 +143,10 @@ def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None =
     results_nonzero = run_ranks(world, nonzero, nodes=nodes, instrument=record_gradients)
     results_dense = run_ranks(world, dense, nodes=nodes, instrument=record_gradients_aggregating_first)
     for i, (a, b) in enumerate(zip(nonzero, dense)):
-        label = f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} remat={a.model.remat} layers={a.model.layers}"
+        label = (
+            f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} remat={a.model.remat} "
+            f"layers={a.model.layers}"
+        )
         assert _losses(a) == _losses(b), label
         for rank in range(world):
             run_a, run_b = results_nonzero[rank][i], results_dense[rank][i]

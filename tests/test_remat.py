@@ -82,7 +82,10 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
     remat = [c.replace(remat=True, out=c.run.out.with_name(c.run.out.name.replace("plain", "remat"))) for c in plain]
     results = run_ranks(2, plain + remat, instrument=record_gradients)
     for i, (a, b) in enumerate(zip(plain, remat)):
-        label = f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} staleness={a.exchange.staleness} compress={a.exchange.compress}"
+        label = (
+            f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} "
+            f"staleness={a.exchange.staleness} compress={a.exchange.compress}"
+        )
         assert _losses(b.run.out) == pytest.approx(_losses(a.run.out), rel=1e-5, abs=1e-6), label
         for rank in range(2):
             steps_a, steps_b = results[rank][i]["instrumented"], results[rank][len(plain) + i]["instrumented"]

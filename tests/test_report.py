@@ -386,7 +386,8 @@ def test_per_epoch_figures_are_steady_state_medians():
     rep = report.build([_static(0, 1, 1, 1, 1), _static(1, 1, 1, 1, 1)], medians, {"steady_state": steady})
     assert (
         report.render_table(rep).splitlines()[-1]
-        == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, allocator)"
+        == "per-epoch figures: medians over 1 of 1 epochs run, the first 0 left out as warm-up (kernel compilation, "
+        "allocator)"
     )
     rep["info"]["steady_state"] = report.steady_state(epochs([9.0, 5.0, 1.0]), COLUMNS)[1]
     assert "medians over 1 of 3 epochs run, the first 2 left out" in report.render_table(rep)

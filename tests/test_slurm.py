@@ -1,4 +1,4 @@
-"""SLURM and cluster behaviour of bnsgcn-train (issue 15), through the real CLI.
+"""SLURM and cluster behaviour of bnsgcn-train, through the real CLI.
 
 Without a cluster (always run):
 
@@ -288,7 +288,8 @@ def slurm() -> Iterator[dict[str, str]]:
         return
     if (SLURM_DIR / "state" / "daemons.pids").is_file():  # its daemons hold the ports; stopping them is not ours to do
         pytest.skip(
-            f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it (slurm-local.sh stop) or start it with 'two'"
+            f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it (slurm-local.sh "
+            "stop) or start it with 'two'"
         )
     try:
         started = subprocess.run(
@@ -377,8 +378,8 @@ def test_one_launcher_per_node_inside_a_larger_allocation(slurm, tmp_path, parts
     )
     assert naive.returncode != 0
     assert (
-        "error: this srun step runs 4 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n $SLURM_NNODES --ntasks-per-node=1"
-        in naive.stderr
+        "error: this srun step runs 4 copies of bnsgcn-train for --nnodes 2; start one per node: srun -n "
+        "$SLURM_NNODES --ntasks-per-node=1" in naive.stderr
     ), naive.stderr
     assert not (tmp_path / "naive").exists()
     # The documented form.
@@ -527,8 +528,8 @@ def test_sigusr1_to_the_job_checkpoints_and_the_requeued_job_resumes(slurm, tmp_
     stopped = epochs(run_dir)[-1]
     for rank in (0, 1):
         assert (
-            f"error: [rank {rank}] stopped by SIGUSR1 after epoch {stopped}, checkpoint written to {run_dir / 'checkpoints'}"
-            in stderr
+            f"error: [rank {rank}] stopped by SIGUSR1 after epoch {stopped}, checkpoint written to "
+            f"{run_dir / 'checkpoints'}" in stderr
         ), stderr
     assert (run_dir / "checkpoints" / f"checkpoint-{stopped:06d}.pt").is_file()
     again = srun(slurm | {"SLURM_RESTART_COUNT": "1"}, tmp_path, *step, "--epochs", str(stopped + 2))

@@ -265,7 +265,8 @@ def test_resume_equals_the_uninterrupted_run_and_a_seed_repeats(parts, tmp_path)
     # The stale rows were drawn for p = 0.5: another p cannot continue from them.
     with pytest.raises(
         AssertionError,
-        match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume --staleness 1 with those",
+        match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume "
+        r"--staleness 1 with those",
     ):
         run_ranks(WORLD, [rest.replace(p=0.3, epochs=8)], nodes=NODES)
 
@@ -315,7 +316,8 @@ def test_staleness_composes_with_every_wire_format(graph, parts, tmp_path):
         ),
         (
             ["--stale-smoothing", "0.9"],
-            "error: --stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or drop --stale-smoothing",
+            "error: --stale-smoothing averages stale rows and gradients, but --staleness is 0; add --staleness 1 or "
+            "drop --stale-smoothing",
         ),
     ],
     ids=["staleness-2", "smoothing-above-1", "smoothing-0", "smoothing-without-staleness"],

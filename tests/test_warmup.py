@@ -85,7 +85,10 @@ def test_the_warm_up_compiles_every_kernel_signature_training_calls(parts, tmp_p
     for rank in results:
         for name, signatures in rank[-1]["instrumented"].items():
             used.setdefault(name, set()).update(signatures)
-    script = "import json, torch; from bnsgcn.kernels import warmup; from tests.test_warmup import kernel_signatures; warmup.exercise(); print(json.dumps(kernel_signatures()))"
+    script = (
+        "import json, torch; from bnsgcn.kernels import warmup; from tests.test_warmup import "
+        "kernel_signatures; warmup.exercise(); print(json.dumps(kernel_signatures()))"
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600, check=True
     )
@@ -162,6 +165,6 @@ def test_a_failed_warm_up_is_one_line_naming_the_command_to_rerun(monkeypatch, t
     monkeypatch.setattr(train.sys, "executable", str(broken))
     message = train._run_warmup(0)
     assert (
-        message
-        == "compiling the CPU kernels failed (ImportError: no module named numba); run python -m bnsgcn.kernels.warmup to see the error, or set BNSGCN_KERNELS=torch"
+        message == "compiling the CPU kernels failed (ImportError: no module named numba); run python -m "
+        "bnsgcn.kernels.warmup to see the error, or set BNSGCN_KERNELS=torch"
     )

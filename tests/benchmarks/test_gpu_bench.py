@@ -1,5 +1,5 @@
 """benchmarks/gpu.py end to end on the CPU (``--device cpu --quick``): every step runs and
-writes what the GPU session will read; no number here is a GPU measurement."""
+writes what a run on a GPU machine reads; no number here is a GPU measurement."""
 
 from __future__ import annotations
 
