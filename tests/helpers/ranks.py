@@ -19,15 +19,24 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.nn.optim import Adam
 
 
-def final_test_score(metrics: Path, epochs: int) -> float:
-    """The test accuracy of the model a run ends with: its last epoch's evaluation (every run
-    evaluates after its last epoch; with a decoupled ``--sync``, after the final average).
-    Not the summary's score at the best-validation epoch: picking one of many evaluations by
-    Cora's 500 validation nodes adds noise of its own (test_sync.py, test_workpool.py)."""
-    (last,) = [
-        r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("epoch") == epochs and "test_score" in r
-    ]
-    return last["test_score"]
+def held_out_score(metrics: Path, parts: Path, evaluations: int = 2) -> float:
+    """The accuracy of the model a run ends with on every held-out node, the validation and
+    the test nodes together (weighted by their numbers), averaged over the run's last
+    ``evaluations`` evaluations (every run evaluates after its last epoch; with a decoupled
+    ``--sync`` each evaluation follows a full average of every rank's parameters).
+
+    A sharper statistic of the same accuracy than the last test score alone: on Cora 1,500
+    nodes instead of 1,000, and a model's epoch-to-epoch jitter averaged over two
+    evaluations. Not the summary's score at the best-validation epoch: picking one of many
+    evaluations by the validation nodes adds noise of its own."""
+    from bnsgcn.data.format import load_partition, read_manifest
+
+    arrays = [load_partition(parts, k) for k in range(read_manifest(parts)["parts"])]
+    val, test = (sum(int(np.asarray(a[mask]).sum()) for a in arrays) for mask in ("val_mask", "test_mask"))
+    scored = [r for r in map(json.loads, metrics.read_text().splitlines()) if "test_score" in r and "epoch" in r]
+    scored = sorted((r for r in scored if not r.get("summary")), key=lambda r: r["epoch"])[-evaluations:]
+    assert len(scored) == evaluations, f"{metrics}: fewer than {evaluations} evaluations"
+    return float(np.mean([(val * r["val_score"] + test * r["test_score"]) / (val + test) for r in scored]))
 
 
 _HANDED_OUT: set[int] = set()
