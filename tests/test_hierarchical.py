@@ -21,6 +21,7 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.data.format import load_partition
 from bnsgcn.data.sampler import sample_boundary
 
+from .helpers import kernels
 from .helpers.graphs import graph_with_island, partition, random_graph
 from .helpers.ranks import free_port, run_ranks
 
@@ -49,6 +50,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _two_nodes(parts: Path, out: Path, p: float, exchange: str) -> list[dict]:
     """The job as two machines of two ranks each: two launcher invocations on 127.0.0.1."""
+    kernels.compiled()
     port = str(free_port())
     command = [
         sys.executable,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from .helpers import kernels
 from .helpers.graphs import partition, random_graph
 from .helpers.ranks import free_port
 
@@ -35,6 +36,7 @@ def _losses(run_dir) -> list:
 
 
 def test_two_nodes_match_one_four_rank_run(tmp_path):
+    kernels.compiled()
     parts = partition(random_graph(num_nodes=160, avg_degree=6, seed=9), 4, tmp_path / "parts")
     train = [sys.executable, "-m", "bnsgcn.launch.cli", "--parts-dir", str(parts), *FLAGS]
     single = subprocess.run(

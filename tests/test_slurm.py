@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from .helpers import kernels
 from .helpers.cli import TRAIN, clean_env
 from .helpers.faults import descendants, epoch_records, rank_process
 from .helpers.graphs import partition, random_graph
@@ -102,6 +103,7 @@ def parts(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def local_run(parts: Path) -> Path:
     """The reference: the same job run by the local launcher."""
+    kernels.compiled()
     run_dir = parts.parent.parent / "local"
     done = subprocess.run(
         [*TRAIN, "--procs", "2", "--parts-dir", str(parts), "--out", str(run_dir), "--epochs", "6", *FLAGS],
@@ -118,6 +120,7 @@ def local_run(parts: Path) -> Path:
 
 
 def test_stop_signal_checkpoints_every_rank_and_a_requeued_job_resumes(tmp_path, parts):
+    kernels.compiled()
     run_dir = tmp_path / "run"
     argv = [
         *TRAIN,
@@ -283,6 +286,7 @@ def slurm() -> Iterator[dict[str, str]]:
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
         pytest.skip("SLURM is not installed and there is no apt-get to install Debian's slurm-wlm")
     env = _slurm_env()
+    kernels.compiled()  # every test here trains
     if _two_nodes_up(env):  # started by someone else: use it, leave it running
         yield env
         return

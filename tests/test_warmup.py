@@ -19,6 +19,7 @@ import pytest
 
 from bnsgcn.config import TrainConfig
 
+from .helpers import kernels
 from .helpers.cli import RANK_VARIABLES, TRAIN
 from .helpers.graphs import partition, random_graph
 from .helpers.ranks import run_ranks
@@ -100,6 +101,8 @@ def test_the_warm_up_compiles_every_kernel_signature_training_calls(parts, tmp_p
 
 def test_a_job_without_the_stamp_compiles_in_one_process_first_and_the_next_job_not_at_all(parts, tmp_path):
     from bnsgcn.kernels import warmup
+
+    kernels.compiled()  # the shared cache holds every kernel, to be copied below
 
     shared = warmup.stamp_path()
     assert shared is not None, "numba has no writable cache directory here"

@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-from ..helpers import REPO
+from ..helpers import REPO, kernels
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
+    kernels.compiled()
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", *args], cwd=REPO, capture_output=True, text=True, timeout=240
     )

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import stragglers as st
 
-from ..helpers import REPO
+from ..helpers import REPO, kernels
 
 # ---------------------------------------------------------------------------- arithmetic
 
@@ -111,6 +111,7 @@ def test_relative_delays_scale_by_what_the_machine_adds_to_the_sleep():
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    kernels.compiled()
     work = tmp_path_factory.mktemp("stragglers")
     out = work / "quick.json"
     done = subprocess.run(
@@ -188,6 +189,7 @@ def test_quick_record_is_complete_and_consistent(quick):
 
 
 def test_relative_delays_calibrate_then_scale_every_run(tmp_path):
+    kernels.compiled()
     out = tmp_path / "relative.json"
     done = subprocess.run(
         [

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from . import kernels
 from .cli import RANK_VARIABLES, TRAIN
 
 EPOCHS = 12
@@ -60,6 +61,7 @@ def job_env() -> dict[str, str]:
 
 def start(command: list[str], cwd: Path, name: str) -> subprocess.Popen:
     """Start ``command`` in its own process group; its output goes to ``cwd/name.out|err``."""
+    kernels.compiled()
     with open(cwd / f"{name}.out", "w") as stdout, open(cwd / f"{name}.err", "w") as stderr:
         job = subprocess.Popen(
             command,

@@ -18,6 +18,8 @@ import torch
 from bnsgcn.config import TrainConfig
 from bnsgcn.nn.optim import Adam
 
+from . import kernels
+
 
 def held_out_score(metrics: Path, parts: Path, evaluations: int = 2) -> float:
     """The accuracy of the model a run ends with on every held-out node, the validation and
@@ -133,6 +135,7 @@ def run_ranks(
     each run; it returns a function whose result, after the run, is the result's
     ``instrumented``.
     """
+    kernels.compiled()
     ctx = _rank_context()
     queue = ctx.Queue()
     ports = [free_port() for _ in configs]
