@@ -26,6 +26,7 @@ import random
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import numpy as np
@@ -39,7 +40,7 @@ from bnsgcn.sync.averaging import find_partner
 from bnsgcn.sync.delay import InjectedDelay
 
 from .helpers.cli import TRAIN, assert_user_error, run_cli
-from .helpers.faults import assert_hung_rank_named, assert_killed_rank_is_named, train_args
+from .helpers.faults import assert_killed_rank_is_named, check_hung_rank_named, run_with_rank_one_hung, train_args
 from .helpers.graphs import cora_metis, partition, random_graph
 from .helpers.ranks import free_port, held_out_score, run_ranks
 
@@ -446,27 +447,45 @@ def test_rank_killed_in_any_mode_ends_the_job_naming_it(tmp_path, parts2, mode):
     )
 
 
-@pytest.mark.parametrize("mode", ("partial:2", "gossip:1"))
-def test_hung_rank_in_a_store_round_is_named(tmp_path, parts2, mode):
+STORE_MODES = ("partial:2", "gossip:1")
+HANG_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def hung_store_rounds(parts2, tmp_path_factory) -> dict:
+    """For each store-based mode, a job whose rank 1 is suspended after the first epoch
+    (helpers.faults.run_with_rank_one_hung), both jobs at once: each mostly waits (for
+    --timeout and the launcher's grace periods), so together they take the time of one."""
+
+    def hang(mode: str) -> tuple:
+        cwd = tmp_path_factory.mktemp(f"hung-{mode.replace(':', '-')}")
+        run_dir = cwd / "run"
+        # between evaluations (every 50 epochs) ranks meet only in the store's rounds
+        args = train_args(
+            parts2,
+            run_dir,
+            "--epochs",
+            "100000",
+            "--checkpoint-every",
+            "0",
+            "--timeout",
+            str(HANG_TIMEOUT_S),
+            "--p",
+            "0",
+            "--sync",
+            mode,
+            "--eval-every",
+            "50",
+        )
+        return cwd, run_dir, run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)
+
+    with ThreadPoolExecutor(len(STORE_MODES)) as pool:
+        return dict(zip(STORE_MODES, pool.map(hang, STORE_MODES)))
+
+
+@pytest.mark.parametrize("mode", STORE_MODES)
+def test_hung_rank_in_a_store_round_is_named(hung_store_rounds, mode):
     """The waits of partial and gossip are in the job's store, not in a collective: they too
     end after --timeout and name the rank that stopped."""
-    timeout_s = 5
-    run_dir = tmp_path / "run"
-    # between evaluations (every 50 epochs) ranks meet only in the store's rounds
-    args = train_args(
-        parts2,
-        run_dir,
-        "--epochs",
-        "100000",
-        "--checkpoint-every",
-        "0",
-        "--timeout",
-        str(timeout_s),
-        "--p",
-        "0",
-        "--sync",
-        mode,
-        "--eval-every",
-        "50",
-    )
-    assert_hung_rank_named(tmp_path, args, timeout_s, r"rank 1 stopped at epoch \d+ while the others waited$")
+    cwd, run_dir, hung = hung_store_rounds[mode]
+    check_hung_rank_named(cwd, run_dir, hung, HANG_TIMEOUT_S, r"rank 1 stopped at epoch \d+ while the others waited$")

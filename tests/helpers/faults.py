@@ -190,16 +190,29 @@ def run_with_rank_one_hung(
     return job, processes, elapsed
 
 
-def assert_hung_rank_named(tmp_path: Path, args: list[str], timeout_s: float, last_line_pattern: str) -> None:
-    """Start the job, suspend rank 1 after the first epoch (:func:`run_with_rank_one_hung`) and
-    check the job ends after ``--timeout`` (plus the grace periods) with status 4, its last
-    line matching ``last_line_pattern``, no traceback and no process left."""
-    run_dir = Path(args[args.index("--out") + 1])
-    job, processes, elapsed = run_with_rank_one_hung(tmp_path, args, timeout_s)
+def check_hung_rank_named(
+    cwd: Path,
+    run_dir: Path,
+    hung: tuple[subprocess.Popen, list[psutil.Process], float],
+    timeout_s: float,
+    last_line_pattern: str,
+) -> None:
+    """What :func:`run_with_rank_one_hung` returned (the job started in ``cwd``): the job ended
+    after ``--timeout`` (plus the grace periods) with status 4, its last line matching
+    ``last_line_pattern``, no traceback and no process left."""
+    job, processes, elapsed = hung
     # Rank 0 gives up after --timeout; then the settle and SIGTERM grace periods (2 + 5 s).
     assert timeout_s <= elapsed < timeout_s + 25, elapsed
     assert job.returncode == 4  # rank 0 lost its peer
-    last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
+    last_line = stderr_of(cwd, "job").strip().splitlines()[-1]
     assert re.search(last_line_pattern, last_line), last_line
-    assert "Traceback" not in stderr_of(tmp_path, "job")
+    assert "Traceback" not in stderr_of(cwd, "job")
     assert_all_gone(processes, run_dir)
+
+
+def assert_hung_rank_named(tmp_path: Path, args: list[str], timeout_s: float, last_line_pattern: str) -> None:
+    """Start the job, suspend rank 1 after the first epoch (:func:`run_with_rank_one_hung`) and
+    check the job ends after ``--timeout`` with the rank named (:func:`check_hung_rank_named`)."""
+    run_dir = Path(args[args.index("--out") + 1])
+    hung = run_with_rank_one_hung(tmp_path, args, timeout_s)
+    check_hung_rank_named(tmp_path, run_dir, hung, timeout_s, last_line_pattern)
