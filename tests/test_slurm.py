@@ -22,7 +22,8 @@ step at once, and the step's output names that rank; SIGUSR1 to the job (``scanc
 step with ``SLURM_RESTART_COUNT=1`` resumes from it. These are skipped, naming the
 reason, when the machine does not permit them: not root, no recipe, or neither SLURM nor
 apt-get. A cluster already running from the recipe is reused and left running; one
-started here is stopped (``slurm-local.sh stop``) at the end.
+started here (in the background while the tests without SLURM run) is stopped
+(``slurm-local.sh stop``) at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -276,24 +278,24 @@ def _two_nodes_up(env: dict[str, str], within_s: float = 0.0) -> bool:
         time.sleep(2)
 
 
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[dict[str, str]]:
-    """The environment for srun/salloc on the recipe's two-node cluster (started if needed)."""
+def _start_cluster() -> tuple[dict[str, str] | None, str | None, bool]:
+    """Bring up the recipe's two-node cluster unless one is up: the environment for srun and
+    salloc, or why the SLURM tests are skipped; and whether the recipe started it here."""
     if os.geteuid() != 0:
-        pytest.skip("the SLURM recipe runs munged and slurmd as root; not root here")
+        return None, "the SLURM recipe runs munged and slurmd as root; not root here", False
     if not RECIPE.is_file():
-        pytest.skip(f"no SLURM recipe at {RECIPE}")
+        return None, f"no SLURM recipe at {RECIPE}", False
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and there is no apt-get to install Debian's slurm-wlm")
+        return None, "SLURM is not installed and there is no apt-get to install Debian's slurm-wlm", False
     env = _slurm_env()
-    kernels.compiled()  # every test here trains
     if _two_nodes_up(env):  # started by someone else: use it, leave it running
-        yield env
-        return
+        return env, None, False
     if (SLURM_DIR / "state" / "daemons.pids").is_file():  # its daemons hold the ports; stopping them is not ours to do
-        pytest.skip(
-            f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it (slurm-local.sh "
-            "stop) or start it with 'two'"
+        return (
+            None,
+            f"a SLURM cluster of the recipe runs in {SLURM_DIR} but not as two nodes n1, n2; stop it "
+            "(slurm-local.sh stop) or start it with 'two'",
+            False,
         )
     try:
         started = subprocess.run(
@@ -301,13 +303,38 @@ def slurm() -> Iterator[dict[str, str]]:
         )
     except subprocess.TimeoutExpired:
         started = None
-    try:
-        if started is None or started.returncode != 0 or not _two_nodes_up(env, within_s=60):
-            tail = "timed out" if started is None else (started.stdout + started.stderr).strip().splitlines()[-3:]
-            pytest.skip(f"the SLURM recipe could not start a two-node cluster here: {tail}")
-        yield env
-    finally:
-        subprocess.run(["bash", str(RECIPE), "stop"], env=env, capture_output=True, timeout=60)
+    if started is None or started.returncode != 0 or not _two_nodes_up(env, within_s=60):
+        tail = "timed out" if started is None else (started.stdout + started.stderr).strip().splitlines()[-3:]
+        return None, f"the SLURM recipe could not start a two-node cluster here: {tail}", True
+    return env, None, True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cluster(request) -> Iterator[Future | None]:
+    """The recipe's cluster for the tests that use it, brought up in the background from the
+    module's start (about 30 s, mostly waiting for its daemons) while the tests without SLURM
+    run; stopped at the end if started here. Nothing is started when no such test runs."""
+    here = [item for item in request.session.items if item.module is request.module]
+    if not any("slurm" in item.fixturenames for item in here):
+        yield None
+        return
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(_start_cluster)
+        try:
+            yield starting
+        finally:
+            if starting.result()[2]:
+                subprocess.run(["bash", str(RECIPE), "stop"], env=_slurm_env(), capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm(_cluster: Future) -> dict[str, str]:
+    """The environment for srun/salloc on the recipe's two-node cluster (started if needed)."""
+    env, skip, _ = _cluster.result()
+    if skip:
+        pytest.skip(skip)
+    kernels.compiled()  # every test here trains
+    return env
 
 
 def srun(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.CompletedProcess:
