@@ -38,13 +38,15 @@ from .helpers.faults import (
     START_S,
     TIMEOUT_S,
     assert_all_gone,
-    assert_hung_rank_named,
+    check_hung_rank_named,
     descendants,
     epoch_records,
+    in_background_if_selected,
     kill_job,
     last_epoch,
     rank_process,
     records,
+    run_with_rank_one_hung,
     start,
     stderr_of,
     train_args,
@@ -131,19 +133,6 @@ def test_rank_killed_by_sigkill_ends_the_job_naming_it(tmp_path, parts):
     last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]
     assert last_line.startswith("error: rank 1 failed (killed by SIGKILL)"), last_line
     assert_all_gone(processes, run_dir)
-
-
-def test_hung_rank_ends_the_job_after_the_timeout(tmp_path, parts):
-    timeout_s = 5
-    args = train_args(
-        parts, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s)
-    )
-    # rank 0 names the timeout, and the hung rank from the progress every rank reports through the store
-    pattern = (
-        r"^error: rank 0 failed \(exit code 4\): error: \[rank 0\] communication with the other ranks failed: "
-        r"Timed out.*; rank 1 stopped at epoch \d+ while the others waited$"
-    )
-    assert_hung_rank_named(tmp_path, args, timeout_s, pattern)
 
 
 def test_rank_killed_on_another_node_ends_both_nodes(tmp_path):
@@ -290,3 +279,32 @@ def test_resumed_metrics_refuse_a_corrupt_line_before_the_last(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl line 2 is not JSON; repair or remove the file"):
         MetricsWriter([path], keep_epochs=2)
     assert path.read_bytes() == before
+
+
+# --- a hung rank: its job runs in the background from the module's start (it mostly waits) ----
+
+HANG_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_job(request, work: Path, parts: Path):
+    """The job of test_hung_rank_ends_the_job_after_the_timeout, started with the module's
+    first test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
+    cwd = work / "hung"
+    cwd.mkdir()
+    args = train_args(
+        parts, cwd / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(HANG_TIMEOUT_S)
+    )
+    name = "test_hung_rank_ends_the_job_after_the_timeout"
+    with in_background_if_selected(request, name, lambda: run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)) as job:
+        yield cwd, job
+
+
+def test_hung_rank_ends_the_job_after_the_timeout(hung_job):
+    cwd, job = hung_job
+    # rank 0 names the timeout, and the hung rank from the progress every rank reports through the store
+    pattern = (
+        r"^error: rank 0 failed \(exit code 4\): error: \[rank 0\] communication with the other ranks failed: "
+        r"Timed out.*; rank 1 stopped at epoch \d+ while the others waited$"
+    )
+    check_hung_rank_named(cwd, cwd / "run", job.result(), HANG_TIMEOUT_S, pattern)

@@ -39,12 +39,14 @@ from .helpers.cli import TRAIN, assert_user_error, clean_env, run_cli
 from .helpers.faults import (
     FINISH_S,
     START_S,
-    assert_hung_rank_named,
     assert_killed_rank_is_named,
+    check_hung_rank_named,
     descendants,
+    in_background_if_selected,
     kill_job,
     last_epoch,
     rank_process,
+    run_with_rank_one_hung,
     start,
     stderr_of,
     train_args,
@@ -316,21 +318,6 @@ def test_rank_killed_ends_the_job_naming_it(tmp_path, parts2):
     assert_killed_rank_is_named(tmp_path, train_args(parts2, tmp_path / "run", "--epochs", "100000", *LAG_FLAGS))
 
 
-def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
-    """Between sync points (every 50 epochs) ranks meet only in the point-to-point transfers
-    (grouped with two groups of one rank each: no collective per step after the first): a
-    rank waiting there for a hung one ends after --timeout, naming it."""
-    timeout_s = 5
-    run_dir = tmp_path / "run"
-    flags = [*LAG_FLAGS[:-1], "grouped:1000:2"]
-    args = train_args(parts2, run_dir, "--epochs", "100000", *flags, "--timeout", str(timeout_s), "--eval-every", "50")
-    pattern = (
-        r"rank 0: waiting for (rows|gradients) of epoch \d+ or later from ranks \[1\] took longer than "
-        r"--timeout 5 s; rank 1 stopped at epoch \d+ while the others waited$"
-    )
-    assert_hung_rank_named(tmp_path, args, timeout_s, pattern)
-
-
 # --- flags -------------------------------------------------------------------------------------
 
 
@@ -372,3 +359,34 @@ def test_auto_exchange_on_several_nodes_resolves_to_direct(parts, tmp_path):
     run_ranks(WORLD, [lagged, direct], nodes=[0, 0, 1])
     assert json.loads((lagged.run.out / "config.json").read_text())["exchange"] == "direct"
     assert losses_of(lagged.run.out) == losses_of(direct.run.out)
+
+
+# --- a hung rank: its job runs in the background from the module's start (it mostly waits) ----
+
+HANG_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_job(request, parts2, tmp_path_factory):
+    """The job of test_hung_rank_is_named_after_the_timeout, started with the module's first
+    test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
+    cwd = tmp_path_factory.mktemp("hung")
+    flags = [*LAG_FLAGS[:-1], "grouped:1000:2"]
+    args = train_args(
+        parts2, cwd / "run", "--epochs", "100000", *flags, "--timeout", str(HANG_TIMEOUT_S), "--eval-every", "50"
+    )
+    name = "test_hung_rank_is_named_after_the_timeout"
+    with in_background_if_selected(request, name, lambda: run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)) as job:
+        yield cwd, job
+
+
+def test_hung_rank_is_named_after_the_timeout(hung_job):
+    """Between sync points (every 50 epochs) ranks meet only in the point-to-point transfers
+    (grouped with two groups of one rank each: no collective per step after the first): a
+    rank waiting there for a hung one ends after --timeout, naming it."""
+    cwd, job = hung_job
+    pattern = (
+        r"rank 0: waiting for (rows|gradients) of epoch \d+ or later from ranks \[1\] took longer than "
+        r"--timeout 5 s; rank 1 stopped at epoch \d+ while the others waited$"
+    )
+    check_hung_rank_named(cwd, cwd / "run", job.result(), HANG_TIMEOUT_S, pattern)

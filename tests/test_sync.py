@@ -40,7 +40,13 @@ from bnsgcn.sync.averaging import find_partner
 from bnsgcn.sync.delay import InjectedDelay
 
 from .helpers.cli import TRAIN, assert_user_error, run_cli
-from .helpers.faults import assert_killed_rank_is_named, check_hung_rank_named, run_with_rank_one_hung, train_args
+from .helpers.faults import (
+    assert_killed_rank_is_named,
+    check_hung_rank_named,
+    in_background_if_selected,
+    run_with_rank_one_hung,
+    train_args,
+)
 from .helpers.graphs import cora_metis, partition, random_graph
 from .helpers.ranks import free_port, held_out_score, run_ranks
 
@@ -451,11 +457,11 @@ STORE_MODES = ("partial:2", "gossip:1")
 HANG_TIMEOUT_S = 5
 
 
-@pytest.fixture(scope="module")
-def hung_store_rounds(parts2, tmp_path_factory) -> dict:
-    """For each store-based mode, a job whose rank 1 is suspended after the first epoch
-    (helpers.faults.run_with_rank_one_hung), both jobs at once: each mostly waits (for
-    --timeout and the launcher's grace periods), so together they take the time of one."""
+@pytest.fixture(scope="module", autouse=True)
+def hung_store_rounds(request, parts2, tmp_path_factory):
+    """For each store-based mode, the job of test_hung_rank_in_a_store_round_is_named, both
+    started with the module's first test (each mostly waits: --timeout, then the launcher's
+    grace periods): rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
 
     def hang(mode: str) -> tuple:
         cwd = tmp_path_factory.mktemp(f"hung-{mode.replace(':', '-')}")
@@ -479,13 +485,17 @@ def hung_store_rounds(parts2, tmp_path_factory) -> dict:
         )
         return cwd, run_dir, run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)
 
-    with ThreadPoolExecutor(len(STORE_MODES)) as pool:
-        return dict(zip(STORE_MODES, pool.map(hang, STORE_MODES)))
+    def both() -> dict:
+        with ThreadPoolExecutor(len(STORE_MODES)) as pool:
+            return dict(zip(STORE_MODES, pool.map(hang, STORE_MODES)))
+
+    with in_background_if_selected(request, "test_hung_rank_in_a_store_round_is_named", both) as jobs:
+        yield jobs
 
 
 @pytest.mark.parametrize("mode", STORE_MODES)
 def test_hung_rank_in_a_store_round_is_named(hung_store_rounds, mode):
     """The waits of partial and gossip are in the job's store, not in a collective: they too
     end after --timeout and name the rank that stopped."""
-    cwd, run_dir, hung = hung_store_rounds[mode]
+    cwd, run_dir, hung = hung_store_rounds.result()[mode]
     check_hung_rank_named(cwd, run_dir, hung, HANG_TIMEOUT_S, r"rank 1 stopped at epoch \d+ while the others waited$")

@@ -14,8 +14,11 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
@@ -50,6 +53,8 @@ FLAGS = [
     "--timeout",
     str(TIMEOUT_S),
 ]
+T = TypeVar("T")
+
 START_S = 240  # for a job to start and write its first epochs, on a loaded machine
 FINISH_S = 300  # for a short job to run to its end
 
@@ -216,3 +221,16 @@ def assert_hung_rank_named(tmp_path: Path, args: list[str], timeout_s: float, la
     run_dir = Path(args[args.index("--out") + 1])
     hung = run_with_rank_one_hung(tmp_path, args, timeout_s)
     check_hung_rank_named(tmp_path, run_dir, hung, timeout_s, last_line_pattern)
+
+
+@contextmanager
+def in_background_if_selected(request, test_name: str, job: Callable[[], T]) -> Iterator[Future[T] | None]:
+    """Run ``job`` in a thread from now on, while the module's other tests run, if the test
+    ``test_name`` of the requesting module is selected: yield its future (None if the test is
+    not selected), waited for on leaving. For a job that mostly waits, such as one with a
+    hung rank (--timeout, then the launcher's grace periods), its test comes last in its module."""
+    if not any(item.module is request.module and item.originalname == test_name for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(job)
