@@ -443,25 +443,17 @@ def test_cora_accuracy_matches_synchronous_training(cora_parts, cora_sync_scores
 # --- a rank dies or hangs --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_rank_killed_in_any_mode_ends_the_job_naming_it(tmp_path, parts2, mode):
-    assert_killed_rank_is_named(
-        tmp_path,
-        train_args(
-            parts2, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode
-        ),
-    )
-
-
 STORE_MODES = ("partial:2", "gossip:1")
 HANG_TIMEOUT_S = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def hung_store_rounds(request, parts2, tmp_path_factory):
-    """For each store-based mode, the job of test_hung_rank_in_a_store_round_is_named, both
-    started with the module's first test (each mostly waits: --timeout, then the launcher's
-    grace periods): rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
+    """For each store-based mode, the job of test_hung_rank_in_a_store_round_is_named: rank 1
+    suspended after the first epoch (helpers.faults.run_with_rank_one_hung). Both start in the
+    background with the first test that asks for them, the killed-rank tests (each job mostly
+    waits: --timeout, then the launcher's grace periods), not earlier: the module's earlier
+    tests time epochs and sleeps."""
 
     def hang(mode: str) -> tuple:
         cwd = tmp_path_factory.mktemp(f"hung-{mode.replace(':', '-')}")
@@ -491,6 +483,17 @@ def hung_store_rounds(request, parts2, tmp_path_factory):
 
     with in_background_if_selected(request, "test_hung_rank_in_a_store_round_is_named", both) as jobs:
         yield jobs
+
+
+@pytest.mark.usefixtures("hung_store_rounds")
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_killed_in_any_mode_ends_the_job_naming_it(tmp_path, parts2, mode):
+    assert_killed_rank_is_named(
+        tmp_path,
+        train_args(
+            parts2, tmp_path / "run", "--epochs", "100000", "--checkpoint-every", "0", "--p", "0", "--sync", mode
+        ),
+    )
 
 
 @pytest.mark.parametrize("mode", STORE_MODES)
