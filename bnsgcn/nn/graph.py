@@ -25,8 +25,6 @@ from bnsgcn.data.shard import Topology
 from bnsgcn.exchange.base import Exchange, InFlight
 from bnsgcn.kernels import Adjacency, gat_aggregate, spmm, spmm_add_
 
-NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
-
 
 def degree_scales(topology: Topology, normalization: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Row scale [n_inner] and column scale [n_inner + n_boundary] (None: all ones) of the
@@ -254,15 +252,18 @@ class _KeptRows:
 
 
 class ShardGraph:
-    """The static, normalised adjacency of a shard for one model, built once at load."""
+    """The static, normalised adjacency of a shard for one model's layers, built once at load:
+    ``normalization`` (see :func:`degree_scales`), and ``attention``: the layers aggregate
+    with a softmax over inner and boundary columns together, so they need the whole
+    adjacency (``full``) instead of its inner and boundary parts."""
 
-    def __init__(self, topology: Topology, model: str, device: torch.device):
+    def __init__(self, topology: Topology, normalization: str | None, attention: bool, device: torch.device):
         self.topology = topology
         self.device = device
-        row_scale, col_scale = degree_scales(topology, NORMALIZATION[model])
+        row_scale, col_scale = degree_scales(topology, normalization)
         n, nb = topology.n_inner, topology.n_boundary
         self.inner = self.boundary = self.full = None
-        if model == "gat":
+        if attention:
             full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb)
             # entries per boundary column, on the host: a sample's sizes without reading the device
             self._column_nnz = full.t_indptr.diff()[n:]

@@ -61,6 +61,7 @@ from bnsgcn.metrics.accounting import (
 from bnsgcn.metrics.log import MetricsWriter, setup_logging
 from bnsgcn.metrics.progress import Progress, step
 from bnsgcn.nn.graph import ShardGraph
+from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
 from bnsgcn.run import checkpoint
@@ -162,7 +163,7 @@ def _graph_inputs(
     labels: Tensor,
     train_mask: Tensor,
 ) -> GraphInputs:
-    graph = ShardGraph(topology, config.model.name, comm.device)
+    graph = shard_graph(topology, config.model.name, comm.device)
     planner = make_planner(comm, topology, config.exchange.mode)
     x_agg = None
     if config.model.use_precompute:
