@@ -219,7 +219,7 @@ class GATConv(nn.Module):
         out = g.attend(
             z,
             self.source_scores,
-            self.target_scores(z),
+            self.target_scores,
             self.negative_slope,
             self.slot,
             from_input=(x, self.project) if narrower_input else None,
