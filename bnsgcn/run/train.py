@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -108,7 +109,7 @@ def run(config: TrainConfig) -> dict:
     # which then hides the real error. The process ends right after anyway.
     try:
         with stop_on_signals(config.checkpoint.every > 0) as stop:
-            summary = _train(config, comm, stop)
+            summary, draw_figures = _train(config, comm, stop)
     except Exception as exc:
         if is_peer_failure(exc):  # name the rank that caused it, if the store knows
             if isinstance(exc, PeerLost):
@@ -122,6 +123,8 @@ def run(config: TrainConfig) -> dict:
             )
         raise
     comm.close()
+    # rank 0's slow end-of-run work after the others left: no rank waits for it in a barrier
+    draw_figures()
     return summary
 
 
@@ -265,7 +268,7 @@ class Best:
             self.state = copy.deepcopy(model.state_dict())
 
 
-def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> dict:
+def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> tuple[dict, Callable[[], None]]:
     job = _setup(config, comm)
     start_epoch, best = _resume(job)
     metrics = _open_run_files(job, start_epoch)
@@ -646,10 +649,13 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
 
-def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float) -> dict:
+def _finish(
+    job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float
+) -> tuple[dict, Callable[[], None]]:
     """The report (``tables``: every rank's figures, one table per epoch run; the report
     gives their steady-state medians), the best model and the summary line (rank 0); the
-    summary (every rank)."""
+    summary (every rank), and what is left to do once the ranks have parted: rank 0 draws
+    the report's figures (nothing on the others)."""
     config, comm, shard = job.config, job.comm, job.shard
     topo = shard.topology
     train, evaluate = job.train_inputs, job.eval_inputs
@@ -702,7 +708,8 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
             "launch": launch_info(),
             "steady_state": steady,
         }
-        report.write(job.run_dir, report.build(figures, per_epoch, info))
+        built = report.build(figures, per_epoch, info)
+        report.write(job.run_dir, built, figures=False)
         if best.state is not None:
             torch.save(best.state, job.run_dir / "best_model.pt")
         metrics.write(summary)
@@ -714,7 +721,10 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
             best.test_score,
             job.run_dir,
         )
-    return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
+    summary |= {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
+    if metrics is None:
+        return summary, lambda: None
+    return summary, lambda: report.write_figures(built, job.run_dir)
 
 
 def _load_checkpoint(
