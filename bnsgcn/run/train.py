@@ -305,6 +305,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         account.values["elapsed"] = time.perf_counter() - started
         account.take_comm(comm)
         for done, table in gathered.collect(epoch + 1, account, sync_point):
+            _refuse_non_finite(done, table)
             tables.append(table)
             last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
             _write_epoch(job, metrics, done, last_loss, table, scores if done == epoch + 1 else None)
@@ -538,9 +539,11 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     if job.sync.decoupled:
         with account.timed("sync"):
             job.sync.before_step(epoch)
+    grad_norm = _grad_norm(job.model)
     job.optimizer.step()
-    # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
-    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
+    # the loss and the gradient norm stay on the device: EpochAccount.gather reads them once,
+    # at the epoch's end
+    account.values.update(loss_sum=loss_sum.detach(), grad_norm=grad_norm, sampled_boundary=plan.num_received, steps=1)
     account.values.update(job.exchange.figures())  # e.g. --max-lag's lag and its waits
 
 
@@ -551,6 +554,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     pool, sync, model = job.pool, job.sync, job.model
     sync.start_epoch()
     loss_sum, steps = torch.zeros((), device=job.comm.device), 0
+    grad_norm = torch.zeros((), device=job.comm.device)
     model.train()
     while True:
         with account.timed("sampling"):
@@ -580,12 +584,37 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
         with account.timed("reduction"):
             step, more = sync.finish_round(num_train, taken is not None) if sync.lockstep else (num_train > 0, True)
         if step:
+            grad_norm = grad_norm + _grad_norm(model)
             job.optimizer.step()
         with account.timed("sync"):
             sync.after_pool_step(epoch)
         if not more:
             break
-    account.values.update(loss_sum=loss_sum, sampled_boundary=0, steps=steps)
+    account.values.update(loss_sum=loss_sum, grad_norm=grad_norm, sampled_boundary=0, steps=steps)
+
+
+def _grad_norm(model: torch.nn.Module) -> Tensor:
+    """The L2 norm of the gradients the optimizer is about to step with, on their device
+    (read with the loss, at the epoch's end: no synchronisation here)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def _refuse_non_finite(epoch: int, table: Tensor) -> None:
+    """Every rank, from the epoch's gathered table: end the job when some rank's loss or
+    gradient norm is not finite, before this epoch's records, checkpoint or best model are
+    written (a non-finite step has already changed the parameters)."""
+    loss, grad = table[:, INDEX["loss_sum"]], table[:, INDEX["grad_norm"]]
+    bad = (~torch.isfinite(loss) | ~torch.isfinite(grad)).nonzero().flatten().tolist()
+    if not bad:
+        return
+    where = ", ".join(f"rank {r} (loss sum {loss[r].item():g}, gradient norm {grad[r].item():g})" for r in bad)
+    raise UserError(
+        f"epoch {epoch}: training went non-finite on {where}; stopped before writing anything of this epoch "
+        "(the checkpoints of earlier epochs are kept): check the inputs with --verify, or lower --lr"
+    )
 
 
 def _write_epoch(
