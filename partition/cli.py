@@ -250,7 +250,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Without a handler SIGTERM ends the process at once, leaving <out>.tmp-<host>-<pid> behind.
+    # Without a handler SIGTERM ends the process at once, leaving <out>.tmp-<host>-<pid>-<random> behind.
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)

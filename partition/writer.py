@@ -22,8 +22,8 @@ Memory is ``O(N + E_k)`` on top of the graph (``E_k``: in-edges of partition ``k
 partition at a time: a few ``N``-sized index arrays shared by all partitions, and per
 partition only its own arrays (``E_k + n_k`` int32 adjacency entries, its features); no
 ``N x K`` or ``E x K`` arrays, no copy of the CSR. The graph's CSR is only read, row by
-row (numba), so it may be memory-mapped. Everything is written to a
-temporary sibling directory ``<out>.tmp-<host>-<pid>`` and renamed into place at the end,
+row (numba), so it may be memory-mapped. Everything is written to a new temporary
+sibling directory ``<out>.tmp-<host>-<pid>-<random>`` and renamed into place at the end,
 so an interrupted run leaves nothing that looks like a valid set; one killed outright
 leaves its temporary directory, which the next run on the same machine for the same
 ``<out>`` deletes.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import socket
 from collections.abc import Iterable, Sequence
@@ -169,13 +170,15 @@ def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete ``<out>.tmp-<host>-<pid>`` directories left by killed runs on this machine
-    (pid no longer running, or ours). Other machines' are kept: on a shared file system
-    their pids say nothing here."""
+    """Delete ``<out>.tmp-<host>-<pid>[-<random>]`` directories left by killed runs on this
+    machine (pid no longer running, or ours). Other machines' are kept: on a shared file
+    system their pids say nothing here."""
     out_dir = Path(out_dir)
     if not out_dir.parent.is_dir():
         return
-    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)")
+    pattern = re.compile(
+        re.escape(out_dir.name) + r"\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)(?:-[0-9a-f]+)?"
+    )
     for candidate in out_dir.parent.iterdir():
         match = pattern.fullmatch(candidate.name)
         if match and candidate.is_dir() and not candidate.is_symlink() and not _running_elsewhere(int(match[1])):
@@ -196,19 +199,31 @@ def _running_elsewhere(pid: int) -> bool:
 
 
 def probe_writable(out_dir: Path) -> None:
-    """Create and remove the temporary directory of ``out_dir`` (and missing parents); OSError if that fails.
+    """Create and remove a temporary directory of ``out_dir`` (and missing parents); OSError if that fails.
 
     Asking the file system is the only reliable test: permission bits do not stop root, yet
     /proc, sysfs and the like refuse new directories even to root.
     """
-    tmp_dir = _temporary_dir(out_dir)
-    created = _make_dirs(tmp_dir)
-    for directory in reversed(created):
+    for directory in reversed(_make_temporary_dir(out_dir)):
         _remove_if_empty(directory)
 
 
-def _temporary_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+def _make_temporary_dir(out_dir: Path) -> list[Path]:
+    """Create a new ``<out>.tmp-<host>-<pid>-<random>`` and the missing parents of ``out_dir``;
+    return the directories created, outermost first, the temporary one last.
+
+    The random part makes the name unpredictable, and ``mkdir`` creates it or fails: the
+    set is never written into a directory, or through a symbolic link, planted there.
+    """
+    created = _make_dirs(out_dir.parent)
+    tmp_dir = out_dir.parent / f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        tmp_dir.mkdir()
+    except BaseException:
+        for directory in reversed(created):
+            _remove_if_empty(directory)
+        raise
+    return [*created, tmp_dir]
 
 
 def write_partition_set(
@@ -248,8 +263,8 @@ def write_partition_set(
         raise ValueError(f"assignment must be int64 [{graph.num_nodes}] with values in [0, {parts})")
 
     remove_stale_temporaries(out_dir)
-    tmp_dir = _temporary_dir(out_dir)
-    created = _make_dirs(tmp_dir)
+    created = _make_temporary_dir(out_dir)
+    tmp_dir = created[-1]
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
         report = build_report(partitions)
