@@ -26,7 +26,8 @@ row (numba), so it may be memory-mapped. Everything is written to a new temporar
 sibling directory ``<out>.tmp-<host>-<pid>-<random>`` and renamed into place at the end,
 so an interrupted run leaves nothing that looks like a valid set; one killed outright
 leaves its temporary directory, which the next run on the same machine for the same
-``<out>`` deletes.
+``<out>`` deletes. The set's id (:func:`bnsgcn.data.format.set_id`) is known once every
+array is written: it goes into each partition's ``partition.json``, then the manifest.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ import bnsgcn
 from bnsgcn.data.format import (
     MANIFEST_NAME,
     PART_ARRAYS,
+    PART_META_NAME,
     part_dir_name,
     read_manifest,
+    set_id,
     write_array,
     write_manifest,
+    write_part_meta,
 )
 from bnsgcn.errors import UserError
 from bnsgcn.metrics.progress import Progress
@@ -90,9 +94,10 @@ def find_reusable(
 
     The request is the dataset spec, its input files (``inputs`` from :func:`input_entries`:
     path, size and modification time each), ``parts`` and the normalised ``partitioner``
-    entry (method, objective, seed, assignment file checksum). Valid means a readable
-    manifest and every listed file present with its listed size (checksums are left to
-    ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
+    entry (method, objective, seed, assignment file checksum). Valid means a manifest that passes
+    :func:`~bnsgcn.data.format.read_manifest` and every listed file present with its listed
+    size, and each partition's ``partition.json`` where the set has an id (checksums are
+    left to ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
     :class:`UserError` unless ``force``; a path that is not a partition set at all is never
     overwritten, not even with ``force``.
     """
@@ -120,6 +125,10 @@ def find_reusable(
                 for name, meta in entry["files"].items()
             )
             and len(manifest["partitions"]) == parts
+            and (
+                "set_id" not in manifest
+                or all((out_dir / e["dir"] / PART_META_NAME).is_file() for e in manifest["partitions"])
+            )
         )
     except (UserError, KeyError, TypeError):
         same = same_inputs = complete = False
@@ -267,17 +276,19 @@ def write_partition_set(
     tmp_dir = created[-1]
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
-        report = build_report(partitions)
         manifest = {
             "dataset": dataset_entry(graph, spec, inputs),
             "parts": parts,
             "partitioner": method_info,
             "self_loops": "one per node, added",
             "partitions": partitions,
-            "report": report,
+            "report": build_report(partitions),
             "created_by": {"tool": "bnsgcn-partition", "version": bnsgcn.__version__},
         }
-        write_manifest(tmp_dir, manifest)
+        identity = set_id(manifest)
+        for k, entry in enumerate(partitions):
+            write_part_meta(tmp_dir / entry["dir"], identity, k, parts)
+        write_manifest(tmp_dir, {"set_id": identity, **manifest})
         _move_into_place(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -460,6 +471,7 @@ def _write_partitions(
                     "files": files,
                     "n_inner": int(n_inner),
                     "n_boundary": int(boundary.shape[0]),
+                    "boundary_counts": np.diff(boundary_offsets).tolist(),
                     "local_edges": in_edges - cut_edges,
                     "cut_edges": cut_edges,
                     "train_nodes": int(arrays["train_mask"].sum()),
