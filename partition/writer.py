@@ -72,8 +72,9 @@ def input_entries(files: Iterable[Path]) -> list[dict]:
     return entries
 
 
-def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
-    """The manifest's ``dataset`` entry; ``inputs`` from :func:`input_entries`."""
+def dataset_entry(graph: Graph, spec: str, inputs: list[dict], num_classes_given: int | None = None) -> dict:
+    """The manifest's ``dataset`` entry; ``inputs`` from :func:`input_entries`; ``num_classes_given``
+    the class count the user set (``bnsgcn-partition --num-classes``), None when the labels gave it."""
     return {
         "name": graph.name,
         "spec": spec,
@@ -82,19 +83,28 @@ def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
         "num_edges": graph.num_edges,
         "num_features": int(graph.features.shape[1]),
         "num_classes": int(graph.num_classes),
+        "num_classes_given": num_classes_given,
         "multilabel": bool(graph.multilabel),
         "symmetrized": bool(graph.symmetrized),
     }
 
 
 def find_reusable(
-    out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False, *, inputs: Sequence[dict] = ()
+    out_dir: Path,
+    spec: str,
+    parts: int,
+    partitioner: dict,
+    force: bool = False,
+    *,
+    inputs: Sequence[dict] = (),
+    num_classes_given: int | None = None,
 ) -> dict | None:
     """Return the manifest of a valid set at ``out_dir`` made by the same request, else ``None``.
 
     The request is the dataset spec, its input files (``inputs`` from :func:`input_entries`:
-    path, size and modification time each), ``parts`` and the normalised ``partitioner``
-    entry (method, objective, seed, assignment file checksum). Valid means a manifest that passes
+    path, size and modification time each), ``parts``, the normalised ``partitioner``
+    entry (method, objective, seed, assignment file checksum) and the class count given
+    (``--num-classes``, None without). Valid means a manifest that passes
     :func:`~bnsgcn.data.format.read_manifest` and every listed file present with its listed
     size, and each partition's ``partition.json`` where the set has an id (checksums are
     left to ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
@@ -114,6 +124,7 @@ def find_reusable(
             manifest["dataset"]["spec"] == spec
             and manifest["parts"] == parts
             and _request(manifest["partitioner"]) == _request(partitioner)
+            and manifest["dataset"].get("num_classes_given") == num_classes_given
         )
         # Sets written before input files were recorded have no "inputs": as if made from none.
         same_inputs = manifest["dataset"].get("inputs", []) == list(inputs)
@@ -247,6 +258,7 @@ def write_partition_set(
     force: bool = False,
     progress: bool = True,
     position: np.ndarray | None = None,
+    num_classes_given: int | None = None,
 ) -> dict:
     """Write the partition set of ``assignment`` (int64 [N], values in ``[0, parts)``).
 
@@ -256,13 +268,16 @@ def write_partition_set(
     ``method_info`` is the manifest's ``partitioner`` entry
     (:func:`bnsgcn.partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
     and ``inputs`` (:func:`input_entries` of the files the graph was read from) identify
-    the dataset for reuse. An existing set made by the same request is reused unless
-    ``force``; see :func:`find_reusable`. Returns the manifest.
+    the dataset for reuse, with ``num_classes_given`` (``--num-classes``: the class count
+    of ``graph`` was set by the user). An existing set made by the same request is reused
+    unless ``force``; see :func:`find_reusable`. Returns the manifest.
     """
     out_dir = Path(out_dir)
     spec = graph.name if dataset_spec is None else dataset_spec
     inputs = list(inputs)
-    existing = find_reusable(out_dir, spec, parts, method_info, force, inputs=inputs)
+    existing = find_reusable(
+        out_dir, spec, parts, method_info, force, inputs=inputs, num_classes_given=num_classes_given
+    )
     if existing is not None:
         return existing
     assignment = np.asarray(assignment, dtype=np.int64)
@@ -277,7 +292,7 @@ def write_partition_set(
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
         manifest = {
-            "dataset": dataset_entry(graph, spec, inputs),
+            "dataset": dataset_entry(graph, spec, inputs, num_classes_given),
             "parts": parts,
             "partitioner": method_info,
             "self_loops": "one per node, added",

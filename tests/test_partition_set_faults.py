@@ -13,7 +13,8 @@ What is covered:
 * malformed manifest values (wrong types, short or null lists), at the launcher and in ranks;
 * partition directories outside the set (``..``, absolute, a symbolic link out of it);
 * sets written before the id existed, which still load;
-* temporary files and directories that never follow a symbolic link planted at their name.
+* temporary files and directories that never follow a symbolic link planted at their name;
+* a class count far above the distinct labels, refused unless ``--num-classes`` says so.
 
 Most cases call the loaders in-process (``load_shard``, the launcher's
 ``choose_partition_set``); a few run ``bnsgcn-train`` or ``bnsgcn-partition`` to check the
@@ -47,9 +48,11 @@ from bnsgcn.data.format import (
 from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
 from bnsgcn.launch.discover import choose_partition_set
+from bnsgcn.partition.datasets import CLASS_COUNT_FLOOR, with_class_count
+from bnsgcn.partition.graph import Graph
 
 from .distributed import partition, random_graph
-from .test_errors import SMALL_RUN, TRAIN, assert_user_error, edit_array, run_cli
+from .test_errors import PARTITION, SMALL_RUN, TRAIN, assert_user_error, edit_array, run_cli, write_npz
 
 # --- sets to damage ------------------------------------------------------------------------
 
@@ -452,3 +455,53 @@ def test_failed_array_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert caught.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+# --- class counts --------------------------------------------------------------------------------------
+
+
+def labelled(labels: list[int], num_classes: int | None = None) -> Graph:
+    graph = random_graph(num_nodes=len(labels), seed=4)
+    graph.labels = np.asarray(labels, dtype=np.int64)
+    graph.num_classes = num_classes if num_classes is not None else int(max(labels)) + 1
+    return graph
+
+
+def test_class_count_far_above_the_labels_is_refused():
+    floor = CLASS_COUNT_FLOOR
+    assert with_class_count(labelled([0, floor - 1] * 10), None, "g").num_classes == floor  # at the floor
+    assert with_class_count(labelled(list(range(17)) + [floor]), None, "g").num_classes == floor + 1  # 2 x 18 >= 33
+    with pytest.raises(UserError, match=re.escape(f"g: {floor + 1} classes but only 16 distinct labels")):
+        with_class_count(labelled(list(range(15)) + [floor] * 5), None, "g")
+    with pytest.raises(UserError, match="100 classes but only 3 distinct labels"):
+        with_class_count(labelled([0, 1, 2] * 5, num_classes=100), None, "g")  # declared by the dataset
+    assert with_class_count(labelled([0, 1, 2, 99]), 100, "g").num_classes == 100
+    with pytest.raises(UserError, match=re.escape("g: label 99 of node 3 is outside [0, 50)")):
+        with_class_count(labelled([0, 1, 2, 99]), 50, "g")
+
+
+def test_stray_label_is_refused_unless_num_classes_says_so(tmp_path):
+    labels = random_graph(num_nodes=40, avg_degree=4, seed=2).labels.copy()
+    labels[9] = 10_000_000
+    data = write_npz(tmp_path / "stray.npz", labels=labels)
+    out = tmp_path / "parts" / "stray-2"
+    outcome = run_cli(PARTITION, [f"npz:{data}", "--parts", "2", "--out", str(out)], tmp_path)
+    assert_user_error(
+        outcome,
+        "10,000,001 classes but only 4 distinct labels (the largest 10,000,000)",
+        "likely stray label",
+        "--num-classes 10000001",
+    )
+    assert not out.exists()
+    given = ["--num-classes", "10000001"]
+    outcome = run_cli(PARTITION, [f"npz:{data}", "--parts", "2", "--out", str(out), *given], tmp_path)
+    assert outcome.code == 0, outcome.stderr
+    dataset = read_manifest(out)["dataset"]
+    assert (dataset["num_classes"], dataset["num_classes_given"]) == (10_000_001, 10_000_001)
+    # Reuse is per class count: the same count reuses, another one is another set.
+    outcome = run_cli(PARTITION, [f"npz:{data}", "--parts", "2", "--out", str(out), *given], tmp_path)
+    assert outcome.code == 0 and "reusing the partition set" in outcome.stdout
+    outcome = run_cli(
+        PARTITION, [f"npz:{data}", "--parts", "2", "--out", str(out), "--num-classes", "20000000"], tmp_path
+    )
+    assert_user_error(outcome, "holds a different partition set")
