@@ -7,14 +7,15 @@
 
 Bad input ends with ``error: <message>`` on one line of stderr and exit status 2, and
 leaves no output directory behind; so does an interruption (Ctrl-C: status 130, SIGTERM:
-status 143) and running out of memory (the line names the phase and the memory it
-needs). Progress goes to stderr; the location of the set and its partition report go
-to stdout.
+status 143), running out of memory (the line names the phase and the memory it
+needs) and a full disk (the line names the file). Progress goes to stderr; the location
+of the set and its partition report go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import re
 import signal
@@ -267,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _unwritable(out_dir: Path, exc: OSError) -> UserError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(
+            f"{exc.filename or out_dir}: the disk is full ({exc.strerror}); free space there or choose an --out on "
+            "another file system (no partition set was written)"
+        )
     return UserError(f"cannot write the partition set to {out_dir} ({exc.strerror or exc}); choose a writable --out")
 
 

@@ -271,6 +271,8 @@ def write_partition_set(
     the dataset for reuse, with ``num_classes_given`` (``--num-classes``: the class count
     of ``graph`` was set by the user). An existing set made by the same request is reused
     unless ``force``; see :func:`find_reusable`. Returns the manifest.
+
+    A file that cannot be written raises ``OSError`` naming it as it would be in the set.
     """
     out_dir = Path(out_dir)
     spec = graph.name if dataset_spec is None else dataset_spec
@@ -305,10 +307,13 @@ def write_partition_set(
             write_part_meta(tmp_dir / entry["dir"], identity, k, parts)
         write_manifest(tmp_dir, {"set_id": identity, **manifest})
         _move_into_place(tmp_dir, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         for directory in reversed(created[:-1]):  # parents this call created, innermost first
             _remove_if_empty(directory)
+        if isinstance(exc, OSError) and exc.filename and Path(exc.filename).is_relative_to(tmp_dir):
+            # name the file of the set, not of the temporary directory just removed
+            raise OSError(exc.errno, exc.strerror, str(out_dir / Path(exc.filename).relative_to(tmp_dir))) from exc
         raise
     return read_manifest(out_dir)
 

@@ -14,7 +14,8 @@ What is covered:
 * partition directories outside the set (``..``, absolute, a symbolic link out of it);
 * sets written before the id existed, which still load;
 * temporary files and directories that never follow a symbolic link planted at their name;
-* a class count far above the distinct labels, refused unless ``--num-classes`` says so.
+* a class count far above the distinct labels, refused unless ``--num-classes`` says so;
+* a full disk while writing a set: one line naming the file, nothing left behind.
 
 Most cases call the loaders in-process (``load_shard``, the launcher's
 ``choose_partition_set``); a few run ``bnsgcn-train`` or ``bnsgcn-partition`` to check the
@@ -29,6 +30,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,7 @@ from bnsgcn.data.format import (
 from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
 from bnsgcn.launch.discover import choose_partition_set
+from bnsgcn.partition import cli as partition_cli
 from bnsgcn.partition.datasets import CLASS_COUNT_FLOOR, with_class_count
 from bnsgcn.partition.graph import Graph
 
@@ -505,3 +509,78 @@ def test_stray_label_is_refused_unless_num_classes_says_so(tmp_path):
         PARTITION, [f"npz:{data}", "--parts", "2", "--out", str(out), "--num-classes", "20000000"], tmp_path
     )
     assert_user_error(outcome, "holds a different partition set")
+
+
+# --- a full disk ------------------------------------------------------------------------------------------
+
+
+def fill_disk_after(monkeypatch, directory: Path, free_bytes: int, code: int) -> None:
+    """``os.write`` to files under ``directory`` fails with ``code`` once ``free_bytes`` are written."""
+    real_write = os.write
+    left = [free_bytes]
+
+    def write(fd: int, data) -> int:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory)):
+            return real_write(fd, data)
+        if left[0] <= 0:
+            raise OSError(code, os.strerror(code))
+        count = real_write(fd, memoryview(data)[: left[0]])
+        left[0] -= count
+        return count
+
+    monkeypatch.setattr(os, "write", write)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_full_disk_names_the_file_and_leaves_nothing(tmp_path, monkeypatch, capsys, code):
+    out = tmp_path / "parts" / "set"
+    args = ["synthetic:nodes=400", "--parts", "2", "--out", str(out), "--node-order", "ids"]
+    assert partition_cli.main(args) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    fill_disk_after(monkeypatch, tmp_path, 5_000, code)
+    assert partition_cli.main([*args, "--seed", "1", "--force"]) == 2
+    monkeypatch.undo()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        re.escape(f"error: {out}/part-")
+        + r"\d/\w+\.npy"
+        + re.escape(
+            f": the disk is full ({os.strerror(code)}); free space there or choose an --out on another file system"
+        )
+        + re.escape(" (no partition set was written)"),
+        line,
+    ), line
+    assert sorted(p.name for p in out.parent.iterdir()) == ["set"]  # no temporary directory left
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # the old set untouched
+
+
+def test_full_disk_on_a_small_file_system(tmp_path):
+    # A real ENOSPC: a 256 KiB tmpfs mounted in a private mount namespace (needs user namespaces).
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a tmpfs in a user namespace")
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+         str(mount_point)],
+        capture_output=True,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here ({probe.stderr.decode().strip()})")
+    out = mount_point / "set"
+    script = (
+        f"mount -t tmpfs -o size=256k tmpfs {mount_point} && "
+        f"{sys.executable} -m bnsgcn.partition.cli synthetic:nodes=3000 --parts 2 --node-order ids --out {out}; "
+        f"status=$?; ls -A {mount_point}; exit $status"
+    )
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out}/") and ": the disk is full (No space left on device)" in last, last
+    assert done.stdout.strip() == ""  # nothing left on the small file system
