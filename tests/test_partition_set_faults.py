@@ -153,8 +153,8 @@ def test_partition_taken_from_another_set_is_refused(sets, tmp_path):
 
 
 def test_partition_and_its_manifest_entry_from_another_set_are_refused(sets, tmp_path):
-    # Directory and manifest entry copied: every size matches, so before set ids the ranks
-    # started and gloo aborted on mismatched exchanges.
+    # Directory and manifest entry copied: every size matches the entry, so without the id only the
+    # ranks' exchanges would notice (gloo aborts on their mismatched sizes).
     base, other = sets["two"], sets["other-two"]
     shutil.rmtree(base / "part-1")
     shutil.copytree(other / "part-1", base / "part-1")
@@ -415,7 +415,7 @@ def test_manifest_is_not_written_through_a_planted_symbolic_link(sets, tmp_path)
     base = sets["two"]
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me\n")
-    (base / (MANIFEST_NAME + ".tmp")).symlink_to(victim)  # the temporary name manifests once had
+    (base / (MANIFEST_NAME + ".tmp")).symlink_to(victim)  # a fixed, guessable temporary name
     manifest = read_manifest(base)
     write_manifest(base, {key: value for key, value in manifest.items() if key not in ("format", "version")})
     assert victim.read_text() == "keep me\n"
@@ -441,7 +441,7 @@ def test_temporary_directory_is_not_a_planted_symbolic_link(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     out = tmp_path / "set"
-    # the temporary directory's name before it became unpredictable
+    # the guessable part of the temporary directory's name
     (tmp_path / f"set.tmp-{socket.gethostname()}-{os.getpid()}").symlink_to(victim, target_is_directory=True)
     partition(random_graph(num_nodes=40, seed=3), 2, out)
     assert list(victim.iterdir()) == []
