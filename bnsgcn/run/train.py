@@ -487,8 +487,21 @@ def _resume(job: Job) -> tuple[int, Best]:
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
-    job.model.load_state_dict(state["model"])
-    job.optimizer.load_state_dict(state["optimizer"])
+    error = None
+    try:  # a checkpoint edited since, or one of a model whose shapes its signature does not capture
+        job.model.load_state_dict(state["model"])
+        job.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        lines = str(exc).strip().splitlines()
+        # torch's first line says only "Error(s) in loading state_dict for GNN:"; the next names a tensor
+        detail = (lines[1] if len(lines) > 1 else lines[0]).strip().rstrip(".")
+        error = (
+            f"rank {job.comm.rank}: {checkpoint.checkpoint_path(job.run_dir, state['epoch'])} does not fit this model "
+            f"({detail}); resume with the partition set and flags it was written with, or pass a new --out"
+        )
+    errors = [e for e in job.comm.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
     if part is not None:
         job.exchange.load_state_dict(part)
     job.log.info("resumed from epoch %d", state["epoch"])
@@ -730,13 +743,14 @@ def _finish(
 def _load_checkpoint(
     config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, exchange: Exchange
 ) -> tuple[dict | None, dict | None]:
-    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, where
-    its exchange keeps a part, its own part), or every rank stops with the first rank's
-    error."""
+    """Rank 0 picks the newest usable checkpoint (:func:`bnsgcn.run.checkpoint.newest`: it and
+    every rank's part agree with their checksums); every rank loads that one (and, where its
+    exchange keeps a part, its own part), or every rank stops with the first rank's error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
-            chosen, state = checkpoint.newest(run_dir, signature) or (None, None)
+            parts = comm.world_size if exchange.checkpoint_part is not None else 0
+            chosen, state = checkpoint.newest(run_dir, signature, parts) or (None, None)
         except UserError as exc:
             error = str(exc)
     chosen, error = comm.broadcast_object((chosen, error))
