@@ -1,4 +1,5 @@
-"""Faults an operator meets around a run directory: damaged checkpoints.
+"""Faults an operator meets around a run directory: damaged checkpoints, a full disk,
+links planted where temporary files go, and an ``--out`` whose name is not UTF-8.
 
 * Every checkpoint and every rank's part has a SHA-256 checksum file next to it.
   ``--resume`` skips a checkpoint that fails it, naming it, for the one before; with
@@ -6,6 +7,14 @@
   nothing. Rotation deletes only older checkpoints it verified. A checkpoint without a
   checksum (an older bnsgcn's) loads with a warning. A checkpoint whose tensors do not fit
   the model is one line naming it.
+* A full disk at any file a run writes ends the run with one line naming that file; no
+  temporary file is left, earlier files stay intact and ``metrics.jsonl`` holds whole lines.
+  In-process, the write of that one file fails with ENOSPC (every byte of a run's files
+  goes through ``os.write``, which the rank replaces); where mounting is permitted, a small
+  tmpfs fills up for real.
+* Temporary files get names of their own: a link planted at an old fixed temporary name
+  is not followed.
+* A run whose ``--out`` is not valid UTF-8 runs and writes its files.
 
 Checks through ``bnsgcn-train`` (a subprocess) read its exit status and last stderr line;
 in-process runs (:func:`tests.distributed.run_ranks`) read the rank's error.
@@ -13,22 +22,27 @@ in-process runs (:func:`tests.distributed.run_ranks`) read the rank's error.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import logging
 import logging.handlers
 import math
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from bnsgcn.config import TrainConfig
 from bnsgcn.errors import UserError
 from bnsgcn.run import checkpoint
 
-from .distributed import partition, random_graph
+from .distributed import partition, random_graph, run_ranks
 from .test_errors import TRAIN, assert_kept, assert_user_error, run_cli, snapshot, train_on
 
 SIGNATURE = {"model": "graphsage"}
@@ -81,12 +95,43 @@ def bnsgcn_log():
     logger.removeHandler(handler)
 
 
+def in_process(parts: Path, run_dir: Path, **settings) -> TrainConfig:
+    defaults = dict(layers=2, hidden=8, epochs=4, eval_every=1, checkpoint_every=2, device="cpu")
+    return TrainConfig.from_settings(parts_dir=parts, out=run_dir, **(defaults | settings))
+
+
+def disk_full_at(target: str, room: int) -> None:
+    """In a rank: the disk holding the file named ``target`` (or a temporary file of it) is
+    full once ``room`` bytes of it are written. ``os.write`` writes what fits, then fails
+    with ENOSPC, as a write to a full disk does."""
+    write = os.write
+    names = re.compile(rf"{re.escape(target)}|\.{re.escape(target)}\.[0-9a-f]+\.tmp")
+    left = room
+
+    def write_until_full(fd: int, data) -> int:
+        nonlocal left
+        if not names.fullmatch(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))):
+            return write(fd, data)
+        if left <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = write(fd, memoryview(data).cast("B")[:left])
+        left -= written
+        return written
+
+    os.write = write_until_full
+
+
 # --- fixtures ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def parts2(tmp_path_factory) -> Path:
     return partition(random_graph(num_nodes=120, avg_degree=4, seed=1), 2, tmp_path_factory.mktemp("set") / "set-2")
+
+
+@pytest.fixture(scope="module")
+def parts1(tmp_path_factory) -> Path:
+    return partition(random_graph(num_nodes=120, avg_degree=4, seed=1), 1, tmp_path_factory.mktemp("set") / "set-1")
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +242,113 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path, parts2, 
     checkpoint.save(run_copy, 4, {k: v for k, v in state.items() if k != "epoch"}, keep=2)
     outcome = run_cli(TRAIN, train_on(parts2, run_copy, *CHECKPOINTED, "--epochs", "6", "--resume"), tmp_path)
     assert_user_error(outcome, f"{path} does not fit this model (size mismatch for {name}", "pass a new --out")
+
+
+# --- a full disk -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "room"),
+    [
+        ("checkpoints/checkpoint-000004.pt", 0),
+        ("checkpoints/checkpoint-000004.pt.sha256", 0),
+        ("metrics.jsonl", 1500),  # in the middle of the second line
+        ("log.txt", 40),  # in the middle of the first line
+        ("config.json", 100),
+        ("report.json", 1000),
+        ("best_model.pt", 0),
+        ("memory.png", 0),
+    ],
+)
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path, parts1, target, room):
+    if target.endswith(".png"):
+        pytest.importorskip("matplotlib", reason="figures are drawn with matplotlib alone")
+    run_dir = tmp_path / "run"
+    instrument = functools.partial(disk_full_at, Path(target).name, room)
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(1, [in_process(parts1, run_dir)], instrument=instrument)
+    last = str(failed.value).strip().splitlines()[-1]
+    assert last.startswith(
+        f"bnsgcn.errors.UserError: cannot write {run_dir / target}: the disk is full (No space left on device)"
+    ), failed.value
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+    for name in ("metrics.jsonl", "log.txt"):  # whole lines or none
+        text = (run_dir / name).read_text() if (run_dir / name).exists() else ""
+        assert text == "" or text.endswith("\n"), (name, text[-200:])
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
+        json.loads(line)
+    for written in (run_dir / "checkpoints").glob("checkpoint-*.pt"):
+        assert_verifies(written)
+    if "checkpoint" in target:
+        assert not (run_dir / "checkpoints" / "checkpoint-000004.pt").exists()  # never without its checksum
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 8 MiB mounted for the test (skipped where mounting is not permitted)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr.decode().strip() if isinstance(exc, subprocess.CalledProcessError) else exc
+        pytest.skip(f"mounting a tmpfs is not permitted here ({detail}); the in-process tests simulate a full disk")
+    yield disk
+    subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_full_disk_at_a_checkpoint_on_a_real_file_system(tmp_path, parts2, small_disk):
+    run_dir = small_disk / "run"
+    big = ["--layers", "3", "--hidden", "192"]  # checkpoints of about 1 MiB
+    args = train_on(parts2, run_dir, *big, "--checkpoint-every", "2")
+    assert run_cli(TRAIN, args, tmp_path).code == 0
+    stat = os.statvfs(small_disk)
+    room = 256 * 1024  # for log and metrics lines, not for a checkpoint
+    with open(small_disk / "filler", "wb") as filler:
+        filler.write(b"\0" * (stat.f_bavail * stat.f_frsize - room))
+    outcome = run_cli(TRAIN, [*args, "--epochs", "4", "--resume"], tmp_path)
+    path = run_dir / "checkpoints" / "checkpoint-000004.pt"
+    assert_user_error(outcome, f"cannot write {path}: the disk is full (No space left on device)")
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+    assert not path.exists()
+    assert_verifies(run_dir / "checkpoints" / "checkpoint-000002.pt")
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1, 2, 3, 4]
+
+
+# --- temporary files ---------------------------------------------------------------------
+
+
+def test_temporary_files_do_not_follow_links_planted_at_their_old_names(tmp_path, parts1):
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    victim.write_text("not to be written\n")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    planted = [
+        run_dir / ".write-test",
+        run_dir / "checkpoints" / ".write-test",
+        run_dir / "checkpoints" / "checkpoint-000002.pt.tmp",
+        run_dir / "metrics.jsonl.tmp",
+        run_dir / "report.json.tmp",
+        run_dir / "memory.png.tmp",
+    ]
+    for link in planted:
+        link.symlink_to(victim)
+    run_ranks(1, [in_process(parts1, run_dir, epochs=2)])
+    assert victim.read_text() == "not to be written\n"
+    assert all(link.is_symlink() and link.readlink() == victim for link in planted)
+    assert not (run_dir / "checkpoints" / "checkpoint-000002.pt").is_symlink()
+    assert_verifies(run_dir / "checkpoints" / "checkpoint-000002.pt")
+
+
+# --- an --out that is not UTF-8 ----------------------------------------------------------
+
+
+def test_an_out_whose_name_is_not_utf8(tmp_path, parts2):
+    run_dir = tmp_path / os.fsdecode(b"run-\xff")
+    outcome = run_cli(TRAIN, train_on(parts2, run_dir), tmp_path)
+    assert outcome.code == 0, outcome.stderr
+    assert "Logging error" not in outcome.stderr and "Traceback" not in outcome.stderr, outcome.stderr
+    log = (run_dir / "log.txt").read_bytes().decode("utf-8").splitlines()
+    assert log[-1].endswith(f"run directory {tmp_path}/run-\\udcff"), log
+    assert json.loads((run_dir / "config.json").read_text())["out"] == str(run_dir)
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1, 2]
+    assert (run_dir / "report.json").is_file() and (run_dir / "best_model.pt").is_file()

@@ -65,7 +65,7 @@ from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
-from bnsgcn.run import checkpoint
+from bnsgcn.run import checkpoint, files
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
@@ -145,9 +145,7 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                probe = folder / ".write-test"
-                probe.write_text("")
-                probe.unlink()
+                files.check_writable(folder)
             except OSError as exc:
                 error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
                 break
@@ -520,7 +518,10 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
         "ranks_per_node": [len(m) for m in comm.nodes.members],
         "launch": launch_info(),
     }
-    (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
+    # ASCII: json.dumps escapes the rest (an --out whose name is not UTF-8 included)
+    files.write_bytes(
+        job.run_dir / "config.json", (json.dumps(job.resolved.to_json() | layout, indent=1) + "\n").encode()
+    )
     return MetricsWriter(
         [job.run_dir / "metrics.jsonl"] + ([job.config.run.log_json] if job.config.run.log_json else []),
         keep_epochs=start_epoch,
@@ -724,7 +725,8 @@ def _finish(
         built = report.build(figures, per_epoch, info)
         report.write(job.run_dir, built, figures=False)
         if best.state is not None:
-            torch.save(best.state, job.run_dir / "best_model.pt")
+            with files.atomic(job.run_dir / "best_model.pt") as sink:
+                torch.save(best.state, sink)
         metrics.write(summary)
         metrics.close()
         job.log.info(
