@@ -1,5 +1,6 @@
-"""Faults an operator meets around a run directory: damaged checkpoints, a full disk,
-links planted where temporary files go, and an ``--out`` whose name is not UTF-8.
+"""Faults an operator meets around a run directory: damaged checkpoints, a second run into
+the same ``--out``, a full disk, links planted where temporary files go, and an ``--out``
+whose name is not UTF-8.
 
 * Every checkpoint and every rank's part has a SHA-256 checksum file next to it.
   ``--resume`` skips a checkpoint that fails it, naming it, for the one before; with
@@ -7,6 +8,9 @@ links planted where temporary files go, and an ``--out`` whose name is not UTF-8
   nothing. Rotation deletes only older checkpoints it verified. A checkpoint without a
   checksum (an older bnsgcn's) loads with a warning. A checkpoint whose tensors do not fit
   the model is one line naming it.
+* A run into an ``--out`` that holds an earlier run is refused, unless it resumes that run
+  (``--resume``, also the one a restart implies) or is told to move it aside (``--force``:
+  into ``<out>/previous-<n>/``, nothing mixed).
 * A full disk at any file a run writes ends the run with one line naming that file; no
   temporary file is left, earlier files stay intact and ``metrics.jsonl`` holds whole lines.
   In-process, the write of that one file fails with ENOSPC (every byte of a run's files
@@ -242,6 +246,51 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path, parts2, 
     checkpoint.save(run_copy, 4, {k: v for k, v in state.items() if k != "epoch"}, keep=2)
     outcome = run_cli(TRAIN, train_on(parts2, run_copy, *CHECKPOINTED, "--epochs", "6", "--resume"), tmp_path)
     assert_user_error(outcome, f"{path} does not fit this model (size mismatch for {name}", "pass a new --out")
+
+
+# --- a second run into the same --out ----------------------------------------------------
+
+
+def test_a_second_run_into_an_out_holding_a_run_is_refused(tmp_path, parts2):
+    run_dir = tmp_path / "run"
+    args = train_on(parts2, run_dir)  # no checkpoints
+    assert run_cli(TRAIN, args, tmp_path).code == 0
+    before = snapshot(run_dir)
+    again = run_cli(TRAIN, args, tmp_path)
+    assert_user_error(
+        again,
+        f"{run_dir} holds an earlier run (config.json, log.txt, metrics.jsonl, report.json, best_model.pt",
+        f"pass --force to move it into {run_dir / 'previous-1'}",
+        "or a new --out",
+    )
+    assert_kept(before, run_dir)
+    # A restart (torchrun, a requeued SLURM job) resumes: it continues in place, from epoch 0 without a checkpoint.
+    resumed = run_cli(TRAIN, [*args, "--resume"], tmp_path)
+    assert resumed.code == 0, resumed.stderr
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1, 2]
+
+
+def test_force_moves_the_earlier_run_into_previous(tmp_path, parts2):
+    run_dir = tmp_path / "run"
+    args = train_on(parts2, run_dir, "--checkpoint-every", "2")
+    assert run_cli(TRAIN, args, tmp_path).code == 0
+    before = snapshot(run_dir)
+    refused = run_cli(TRAIN, args, tmp_path)
+    assert_user_error(
+        refused,
+        f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, --force to move it into "
+        f"{run_dir / 'previous-1'}, or a new --out",
+    )
+    forced = run_cli(TRAIN, [*args, "--force"], tmp_path)
+    assert forced.code == 0, forced.stderr
+    assert snapshot(run_dir / "previous-1") == before  # the earlier run whole, as it was
+    log = (run_dir / "log.txt").read_text()
+    assert log.count("best val") == 1 and f"moved the earlier run into {run_dir / 'previous-1'}" in log, log
+    assert [r["epoch"] for r in epoch_records(run_dir)] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "checkpoint-000002.pt",
+        "checkpoint-000002.pt.sha256",
+    ]
 
 
 # --- a full disk -------------------------------------------------------------------------

@@ -65,7 +65,7 @@ from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
-from bnsgcn.run import checkpoint, files
+from bnsgcn.run import checkpoint, directory, files
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
@@ -128,9 +128,11 @@ def run(config: TrainConfig) -> dict:
     return summary
 
 
-def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
-    """Rank 0 picks and creates the run directory; every rank learns it."""
-    error = None
+def _resolve_run_dir(config: TrainConfig, comm: Comm) -> tuple[Path, Path | None]:
+    """Rank 0 picks and creates the run directory; every rank learns it. An earlier run
+    there is refused, unless resumed or moved aside with --force (:mod:`bnsgcn.run.directory`);
+    the second value is where it went, if it was."""
+    error = moved = None
     run_dir = config.run.out
     if comm.rank == 0:
         if run_dir is None:
@@ -139,8 +141,13 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        if not config.checkpoint.resume and checkpoint.has_checkpoints(run_dir):
-            error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
+        try:
+            if not config.checkpoint.resume and (held := directory.earlier_run(run_dir)):
+                if not config.run.force:
+                    raise directory.refusal(run_dir, held)
+                moved = directory.move_aside(run_dir, held)
+        except UserError as exc:
+            error = str(exc)
         folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint.every else [])
         for folder in folders:
             try:
@@ -149,10 +156,10 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             except OSError as exc:
                 error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
                 break
-    run_dir, error = comm.broadcast_object((run_dir, error))
+    run_dir, moved, error = comm.broadcast_object((run_dir, moved, error))
     if error:
         raise UserError(error)
-    return Path(run_dir)
+    return Path(run_dir), moved
 
 
 def _graph_inputs(
@@ -407,8 +414,10 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.data.parts_dir} has no training nodes; check the dataset's train mask")
-    run_dir = _resolve_run_dir(config, comm)
+    run_dir, moved = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    if moved is not None:
+        log.info("--force: moved the earlier run into %s", moved)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
         comm.rank,
