@@ -184,6 +184,7 @@ def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
     assert losses_of(rest.run.out) == losses_of(whole.run.out)
     assert_same_params(results, 0, 2, exact=True)
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
+    expected += [f"{name}.sha256" for name in expected]  # each file's checksum (bnsgcn.run.checkpoint)
     assert sorted(p.name for p in (first.run.out / "checkpoints").iterdir()) == sorted(expected)
 
 
@@ -216,7 +217,8 @@ def test_a_max_lag_checkpoint_holds_the_staleness_one_state(parts, tmp_path):
     # the two exchanges keep different state: a part of one is refused by the other
     with pytest.raises(
         AssertionError,
-        match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add --max-lag \(any S\) to resume it, or pass a new --out$",
+        match=r"UserError: rank \d: .*checkpoint-000008\.rank-\d\.pt was written by a run with --max-lag; add "
+        r"--max-lag \(any S\) to resume it, or pass a new --out$",
     ):
         run_ranks(WORLD, [resumed[1].replace(max_lag=None, epochs=12)])
 
@@ -323,7 +325,10 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
     run_dir = tmp_path / "run"
     flags = [*LAG_FLAGS[:-1], "grouped:1000:2"]
     args = train_args(parts2, run_dir, "--epochs", "100000", *flags, "--timeout", str(timeout_s), "--eval-every", "50")
-    pattern = r"rank 0: waiting for (rows|gradients) of epoch \d+ or later from ranks \[1\] took longer than --timeout 5 s; rank 1 stopped at epoch \d+ while the others waited$"
+    pattern = (
+        r"rank 0: waiting for (rows|gradients) of epoch \d+ or later from ranks \[1\] took longer than --timeout 5 s; "
+        r"rank 1 stopped at epoch \d+ while the others waited$"
+    )
     assert_hung_rank_named(tmp_path, args, timeout_s, pattern)
 
 
@@ -335,7 +340,8 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path, parts2):
     [
         (
             dict(max_lag=2),
-            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop --max-lag",
+            "--max-lag bounds how many epochs stale rows may be, but --staleness is 0; add --staleness 1 or drop "
+            "--max-lag",
         ),
         (dict(max_lag=0, staleness=1), "--max-lag 0 must be a positive number of epochs"),
         (

@@ -8,8 +8,8 @@ import torch
 
 from bnsgcn.config import TrainConfig
 from bnsgcn.errors import UserError
-from bnsgcn.run import checkpoint
 from bnsgcn.exchange import LocalExchange
+from bnsgcn.run import checkpoint
 from bnsgcn.run.train import _load_checkpoint
 
 SIGNATURE = {"model": "graphsage"}
@@ -51,7 +51,8 @@ def test_a_rank_that_cannot_load_the_choice_stops_the_job(tmp_path):
     chosen.write_bytes(b"torn")  # what rank 1 sees there
     with pytest.raises(
         UserError,
-        match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(\w+\); every rank must see the same run directory",
+        match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(it fails its SHA-256 checksum: the file is "
+        r"damaged\); every rank must see the same run directory",
     ):
         _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, exchange=LocalExchange())
     chosen.unlink()

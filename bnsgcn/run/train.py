@@ -65,7 +65,7 @@ from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
-from bnsgcn.run import checkpoint
+from bnsgcn.run import checkpoint, directory, files
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
@@ -128,9 +128,11 @@ def run(config: TrainConfig) -> dict:
     return summary
 
 
-def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
-    """Rank 0 picks and creates the run directory; every rank learns it."""
-    error = None
+def _resolve_run_dir(config: TrainConfig, comm: Comm) -> tuple[Path, Path | None]:
+    """Rank 0 picks and creates the run directory; every rank learns it. An earlier run
+    there is refused, unless resumed or moved aside with --force (:mod:`bnsgcn.run.directory`);
+    the second value is where it went, if it was."""
+    error = moved = None
     run_dir = config.run.out
     if comm.rank == 0:
         if run_dir is None:
@@ -139,22 +141,25 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        if not config.checkpoint.resume and checkpoint.has_checkpoints(run_dir):
-            error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
+        try:
+            if not config.checkpoint.resume and (held := directory.earlier_run(run_dir)):
+                if not config.run.force:
+                    raise directory.refusal(run_dir, held)
+                moved = directory.move_aside(run_dir, held)
+        except UserError as exc:
+            error = str(exc)
         folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint.every else [])
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                probe = folder / ".write-test"
-                probe.write_text("")
-                probe.unlink()
+                files.check_writable(folder)
             except OSError as exc:
                 error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
                 break
-    run_dir, error = comm.broadcast_object((run_dir, error))
+    run_dir, moved, error = comm.broadcast_object((run_dir, moved, error))
     if error:
         raise UserError(error)
-    return Path(run_dir)
+    return Path(run_dir), moved
 
 
 def _graph_inputs(
@@ -410,8 +415,10 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.data.parts_dir} has no training nodes; check the dataset's train mask")
-    run_dir = _resolve_run_dir(config, comm)
+    run_dir, moved = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    if moved is not None:
+        log.info("--force: moved the earlier run into %s", moved)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
         comm.rank,
@@ -488,8 +495,21 @@ def _resume(job: Job) -> tuple[int, Best]:
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
-    job.model.load_state_dict(state["model"])
-    job.optimizer.load_state_dict(state["optimizer"])
+    error = None
+    try:  # a checkpoint edited since, or one of a model whose shapes its signature does not capture
+        job.model.load_state_dict(state["model"])
+        job.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        lines = str(exc).strip().splitlines()
+        # torch's first line says only "Error(s) in loading state_dict for GNN:"; the next names a tensor
+        detail = (lines[1] if len(lines) > 1 else lines[0]).strip().rstrip(".")
+        error = (
+            f"rank {job.comm.rank}: {checkpoint.checkpoint_path(job.run_dir, state['epoch'])} does not fit this model "
+            f"({detail}); resume with the partition set and flags it was written with, or pass a new --out"
+        )
+    errors = [e for e in job.comm.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
     if part is not None:
         job.exchange.load_state_dict(part)
     job.log.info("resumed from epoch %d", state["epoch"])
@@ -508,7 +528,10 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
         "ranks_per_node": [len(m) for m in comm.nodes.members],
         "launch": launch_info(),
     }
-    (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
+    # ASCII: json.dumps escapes the rest (an --out whose name is not UTF-8 included)
+    files.write_bytes(
+        job.run_dir / "config.json", (json.dumps(job.resolved.to_json() | layout, indent=1) + "\n").encode()
+    )
     return MetricsWriter(
         [job.run_dir / "metrics.jsonl"] + ([job.config.run.log_json] if job.config.run.log_json else []),
         keep_epochs=start_epoch,
@@ -740,7 +763,8 @@ def _finish(
         built = report.build(figures, per_epoch, info)
         report.write(job.run_dir, built, figures=False)
         if best.state is not None:
-            torch.save(best.state, job.run_dir / "best_model.pt")
+            with files.atomic(job.run_dir / "best_model.pt") as sink:
+                torch.save(best.state, sink)
         metrics.write(summary)
         metrics.close()
         job.log.info(
@@ -759,13 +783,14 @@ def _finish(
 def _load_checkpoint(
     config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, exchange: Exchange
 ) -> tuple[dict | None, dict | None]:
-    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, where
-    its exchange keeps a part, its own part), or every rank stops with the first rank's
-    error."""
+    """Rank 0 picks the newest usable checkpoint (:func:`bnsgcn.run.checkpoint.newest`: it and
+    every rank's part agree with their checksums); every rank loads that one (and, where its
+    exchange keeps a part, its own part), or every rank stops with the first rank's error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
-            chosen, state = checkpoint.newest(run_dir, signature) or (None, None)
+            parts = comm.world_size if exchange.checkpoint_part is not None else 0
+            chosen, state = checkpoint.newest(run_dir, signature, parts) or (None, None)
         except UserError as exc:
             error = str(exc)
     chosen, error = comm.broadcast_object((chosen, error))
