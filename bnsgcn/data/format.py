@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from bnsgcn.errors import UserError
+from bnsgcn.files import replaced
 
 FORMAT_NAME = "bnsgcn-partition"
 FORMAT_VERSION = 1
@@ -82,73 +79,25 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 # --- writing ------------------------------------------------------------------------------
 
 
-class _FileSink:
-    """The bytes of a file being written: every byte goes to ``fd`` (short writes retried)
-    and into a SHA-256. An ``OSError`` names ``path``, the file the bytes are meant for."""
-
-    def __init__(self, fd: int, path: Path) -> None:
-        self.fd, self.path = fd, path
-        self.digest = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += len(view)
-        while view:
-            try:
-                written = os.write(self.fd, view)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
-            view = view[written:]
-        return len(data)
-
-
-@contextmanager
-def _new_file(path: Path) -> Iterator[_FileSink]:
-    """Write ``path`` through a file of a new, unpredictable name beside it, renamed over
-    ``path`` when the block succeeds and removed when it fails.
-
-    ``O_EXCL`` creates the temporary file or fails: it never opens an existing file or
-    follows a symbolic link planted at its name; and the rename replaces a link at ``path``
-    itself, never its target. Mode 0666 less the umask, as ``open`` would give.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
-    try:
-        try:
-            yield _FileSink(fd, path)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # close() or rename(): say which file
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        raise
-
-
 def write_array(part_dir: Path, name: str, array: np.ndarray) -> dict:
     """Write one partition array as ``<name>.npy`` (the bytes ``numpy.save`` writes); return
     its manifest entry, the checksum taken as the bytes are written."""
     if name not in PART_ARRAYS:
         raise ValueError(f"{name!r} is not an array of the partition format")
     array = np.ascontiguousarray(array)
-    with _new_file(Path(part_dir) / f"{name}.npy") as sink:
+    # a set is written into a temporary folder renamed whole at the end (partition/writer.py)
+    with replaced(Path(part_dir) / f"{name}.npy", checksum=True, durable=False) as sink:
         np.lib.format.write_array(sink, array, allow_pickle=False)
     return {
         "bytes": sink.size,
-        "sha256": sink.digest.hexdigest(),
+        "sha256": sink.sha256.hexdigest(),
         "dtype": str(array.dtype),
         "shape": list(array.shape),
     }
 
 
 def _write_json(path: Path, body: dict) -> None:
-    with _new_file(path) as sink:
+    with replaced(path, durable=False) as sink:
         sink.write((json.dumps(body, indent=1, sort_keys=False) + "\n").encode())
 
 

@@ -362,7 +362,6 @@ class LagExchange(DelayedExchange):
             held += [t for versions in self.grads.values() for _, t in versions.values()]
         return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
 
-
     def start(
         self,
         x_inner: Tensor,

@@ -161,7 +161,6 @@ class StaleExchange(DelayedExchange):
             out += [state.row_average, state.row_seen, state.grad_average]
         return out
 
-
     def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
         """At the start of an epoch: the next epoch's sample (bool [n_boundary]) and plan,
         what this epoch sends ahead for. The previous epoch's transfers move on to their

@@ -1,6 +1,6 @@
 """Rank-prefixed logging and the run directory's JSON-lines metrics.
 
-``log.txt`` and ``metrics.jsonl`` grow by whole lines (:class:`bnsgcn.run.files.LineFile`):
+``log.txt`` and ``metrics.jsonl`` grow by whole lines (:class:`bnsgcn.files.LineFile`):
 a line that does not fit on the disk is not left half-written, and the run ends with one
 line naming the file.
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from bnsgcn.errors import UserError
-from bnsgcn.run.files import LineFile, write_bytes
+from bnsgcn.files import LineFile, write_bytes
 
 
 class LogFile(logging.Handler):

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bnsgcn.errors import UserError
+from bnsgcn.files import atomic, write_bytes
 from bnsgcn.metrics.memory import HOLDERS
-from bnsgcn.run.files import atomic, write_bytes
 
 if TYPE_CHECKING:
     import torch

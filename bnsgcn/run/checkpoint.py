@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bnsgcn import files
 from bnsgcn.errors import UserError
-from bnsgcn.run import files
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 log = logging.getLogger("bnsgcn")
@@ -84,7 +84,7 @@ def load_part(run_dir: Path, epoch: int, rank: int) -> dict:
 
 
 def _write(path: Path, state: dict) -> Path:
-    """``state`` to ``path`` by :func:`bnsgcn.run.files.atomic`, its checksum written first."""
+    """``state`` to ``path`` by :func:`bnsgcn.files.atomic`, its checksum written first."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

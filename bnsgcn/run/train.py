@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import bnsgcn
+from bnsgcn import files
 from bnsgcn.comm.communicator import Comm, init_from_env
 from bnsgcn.comm.plan import fetch_boundary
 from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
@@ -65,7 +66,7 @@ from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
-from bnsgcn.run import checkpoint, directory, files
+from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals

@@ -1,10 +1,13 @@
-"""Writing a run's files: whole or not at all, never through a planted link, and one line
-naming the file when the disk is full.
+"""Writing files: whole or not at all, never through a planted link, and one line naming the
+file when the disk is full.
 
 Every file a run writes (checkpoints and their parts, ``best_model.pt``, ``config.json``,
-``report.json``, the figures, ``metrics.jsonl``, ``log.txt``) is written here:
+``report.json``, the figures, ``metrics.jsonl``, ``log.txt``) and every file of a partition
+set (:mod:`bnsgcn.data.format`) is written here:
 
-* :func:`atomic` replaces a file whole. The new content goes to a temporary file with a
+* :func:`replaced` replaces a file whole, raising the :class:`OSError` of a failure with the
+  file's name (the partition step names the file as it will be in the set);
+  :func:`atomic` does the same for a run's files, the error as one line. The new content goes to a temporary file with a
   name of its own in the same directory, created with ``O_EXCL | O_NOFOLLOW`` (a link or
   file planted at any name is never followed, written or reused), is flushed to disk and
   renamed over the file. On any failure the temporary file is removed and the file, if
@@ -54,6 +57,7 @@ class Sink:
     def __init__(self, fd: int, checksum: bool = False):
         self.fd = fd
         self.sha256 = hashlib.sha256() if checksum else None
+        self.size = 0  # bytes written
         self.error: OSError | None = None
 
     def write(self, data) -> int:
@@ -69,6 +73,7 @@ class Sink:
             raise
         if self.sha256 is not None:
             self.sha256.update(view)
+        self.size += written
         return written
 
     def flush(self) -> None:
@@ -88,30 +93,43 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 
 
 @contextlib.contextmanager
-def atomic(path: Path, checksum: bool = False) -> Iterator[Sink]:
+def replaced(path: Path, checksum: bool = False, durable: bool = True) -> Iterator[Sink]:
     """Replace ``path`` whole with what is written into the sink yielded (see the module);
-    ``checksum``: the sink keeps the SHA-256 of what was written. What the body does before
-    it ends (e.g. write a checksum file) happens before ``path`` is replaced."""
+    ``checksum``: the sink keeps the SHA-256 of what was written; ``durable``: the content
+    is flushed to disk before the name points at it. What the body does before it ends
+    (e.g. write a checksum file) happens before ``path`` is replaced. A failed write,
+    close or rename raises its :class:`OSError` (errno kept) with ``path`` as its file name."""
     path = Path(path)
     try:
         fd, temp = _create_temp(path)
     except OSError as exc:
-        raise cannot_write(path, exc) from None
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     sink = Sink(fd, checksum)
     try:
         try:
             yield sink
-            os.fsync(fd)  # the content on disk before the name points at it
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(temp, path)
-    except Exception as exc:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         failure = exc if isinstance(exc, OSError) else sink.error
         if failure is not None and not isinstance(exc, UserError):
-            raise cannot_write(path, failure) from None
+            raise OSError(failure.errno, failure.strerror, str(path)) from None
         raise
+
+
+@contextlib.contextmanager
+def atomic(path: Path, checksum: bool = False) -> Iterator[Sink]:
+    """:func:`replaced`, durable, a failure as one line (:func:`cannot_write`)."""
+    try:
+        with replaced(path, checksum) as sink:
+            yield sink
+    except OSError as exc:
+        raise cannot_write(Path(path), exc) from None
 
 
 def write_bytes(path: Path, data: bytes) -> None:
