@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 from datetime import date
@@ -111,6 +112,7 @@ def run_one(
         "--out",
         str(run_dir),
     ]
+    shutil.rmtree(run_dir, ignore_errors=True)  # a --work kept from an earlier invocation: bnsgcn-train refuses it
     wall, error = execute(command, threads, 1800)
     if error:
         return record | {"error": error}
@@ -196,7 +198,8 @@ def render(document: dict) -> str:
         )
     ]
     failed = [
-        f"failed: {r['graph']} {r['format']} p={r['p']:g} staleness {r.get('staleness', 0)} seed {r['seed']}: {r['error']}"
+        f"failed: {r['graph']} {r['format']} p={r['p']:g} staleness {r.get('staleness', 0)} seed {r['seed']}: "
+        f"{r['error']}"
         for r in document["runs"]
         if "error" in r
     ]

@@ -37,6 +37,7 @@ from bnsgcn.data.format import load_partition, read_manifest  # noqa: E402
 from bnsgcn.data.shard import Topology, load_shard  # noqa: E402
 from bnsgcn.kernels import backend  # noqa: E402
 from bnsgcn.nn.graph import ShardGraph  # noqa: E402
+from bnsgcn.nn.layers import shard_graph  # noqa: E402
 
 
 def in_id_order(topology: Topology, inner_ids: np.ndarray, boundary_ids: np.ndarray) -> Topology:
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     arrays = load_partition(args.parts_dir, args.part)
     ids = in_id_order(shard.topology, np.asarray(arrays["inner_nodes"]), np.asarray(arrays["boundary_nodes"]))
     graphs = {
-        f"as written ({node_order})": ShardGraph(shard.topology, "graphsage", torch.device("cpu")),
-        "ascending ids": ShardGraph(ids, "graphsage", torch.device("cpu")),
+        f"as written ({node_order})": shard_graph(shard.topology, "graphsage", torch.device("cpu")),
+        "ascending ids": shard_graph(ids, "graphsage", torch.device("cpu")),
     }
     rows = [row for width in args.widths for row in time_products(graphs, width, args.repeat)]
     print(

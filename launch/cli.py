@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from bnsgcn.comm.store import JOB_TOKEN_VARIABLE
 from bnsgcn.config import TrainConfig, check_flags, from_args
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
@@ -276,6 +278,10 @@ def prepare_local_ranks(
             LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
         }
     )
+    if args.nnodes == 1 and not shared_env.get(JOB_TOKEN_VARIABLE):
+        # the job's keys under a secret only its ranks know (bnsgcn.comm.store); across
+        # machines every launcher would need the same one: exported by the user
+        shared_env[JOB_TOKEN_VARIABLE] = secrets.token_hex(16)
     first = args.node_rank * local
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
     print(

@@ -29,8 +29,9 @@ class PartitionSet:
 
 
 def read_partition_set(path: Path) -> PartitionSet:
-    """The partition set at ``path`` (:class:`UserError` when it is not one)."""
-    return PartitionSet(Path(path), int(read_manifest(path)["parts"]))
+    """The partition set at ``path`` (:class:`UserError` when it is not one, or when its
+    manifest or a partition's ``partition.json`` is malformed, inconsistent or from another set)."""
+    return PartitionSet(Path(path), read_manifest(path, check_parts=True)["parts"])
 
 
 def find_partition_sets(root: Path = DEFAULT_SEARCH_ROOT) -> list[PartitionSet]:

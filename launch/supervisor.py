@@ -259,6 +259,7 @@ def _stop(running: Sequence[_Running], grace_s: float) -> None:
     """SIGTERM every process group, SIGKILL what is left after ``grace_s``, then reap."""
     for r in running:
         r.signal_group(signal.SIGTERM)
+        r.signal_group(signal.SIGCONT)  # a stopped rank (SIGSTOP, a debugger) acts on SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     for r in running:
         r.exited.wait(max(0.0, deadline - time.monotonic()))

@@ -2,18 +2,20 @@
 
     bnsgcn-partition [--parts K] DATASET [--data-dir DIR] [--out DIR]
                      [--method metis|random|coarse|auto] [--objective cut|vol] [--assignment FILE]
-                     [--memory-limit SIZE] [--node-order blocks|ids] [--seed N] [--force] [--debug]
+                     [--memory-limit SIZE] [--node-order blocks|ids] [--num-classes N] [--seed N]
+                     [--force] [--debug]
 
 Bad input ends with ``error: <message>`` on one line of stderr and exit status 2, and
 leaves no output directory behind; so does an interruption (Ctrl-C: status 130, SIGTERM:
-status 143) and running out of memory (the line names the phase and the memory it
-needs). Progress goes to stderr; the location of the set and its partition report go
-to stdout.
+status 143), running out of memory (the line names the phase and the memory it
+needs) and a full disk (the line names the file). Progress goes to stderr; the location
+of the set and its partition report go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import re
 import signal
@@ -27,6 +29,7 @@ from bnsgcn.metrics.progress import step
 
 from . import Terminated
 from .coarse import coarse_bytes, format_bytes, metis_bytes
+from .datasets import CLASS_COUNT_FLOOR, CLASS_COUNT_RATIO, resolve_dataset, with_class_count
 from .order import ORDERS, block_positions, order_bytes
 from .partitioner import (
     METHODS,
@@ -124,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ids (default blocks)",
     )
     parser.add_argument(
+        "--num-classes",
+        type=positive_int,
+        metavar="N",
+        help="the number of classes, when it is far above the distinct labels (over "
+        f"{CLASS_COUNT_FLOOR} and over {CLASS_COUNT_RATIO}x them, refused otherwise as a likely stray label); "
+        "default: the largest label + 1",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of METIS / random partitioning and of the node order (default 0)"
     )
     parser.add_argument("--force", action="store_true", help="replace an existing partition set at --out")
@@ -133,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 RANDOM_BYTES_PER_NODE = 32  # the shuffled order and the assignment, int64 each, with temporaries
+
+
+def positive_int(text: str) -> int:
+    """A count given on the command line, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}; pass a positive integer")
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -164,14 +186,18 @@ def run(args: argparse.Namespace) -> int:
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment) | {"node_order": args.node_order}
-    from .datasets import (
-        resolve_dataset,  # imported late: loaders pull in heavy modules
-    )
-
     source = resolve_dataset(args.dataset, args.data_dir)
     inputs = input_entries(source.files)
     try:
-        manifest = find_reusable(out_dir, args.dataset, args.parts, partitioner, args.force, inputs=inputs)
+        manifest = find_reusable(
+            out_dir,
+            args.dataset,
+            args.parts,
+            partitioner,
+            args.force,
+            inputs=inputs,
+            num_classes_given=args.num_classes,
+        )
         if manifest is None:
             remove_stale_temporaries(out_dir)
             probe_writable(out_dir)  # fail before a long load, not after it
@@ -185,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         limit = args.memory_limit
         with phase(f"loading {args.dataset}", None, limit):
-            graph = source.load(progress=True)
+            graph = with_class_count(source.load(progress=True), args.num_classes, args.dataset)
         validate_parts(args.parts, graph.num_nodes)
         if args.assignment is not None:
             method, need = "assignment file", None
@@ -232,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
                     inputs=inputs,
                     force=args.force,
                     position=position,
+                    num_classes_given=args.num_classes,
                 )
         except OSError as exc:
             raise _unwritable(out_dir, exc) from exc
@@ -241,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _unwritable(out_dir: Path, exc: OSError) -> UserError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(
+            f"{exc.filename or out_dir}: the disk is full ({exc.strerror}); free space there or choose an --out on "
+            "another file system (no partition set was written)"
+        )
     return UserError(f"cannot write the partition set to {out_dir} ({exc.strerror or exc}); choose a writable --out")
 
 
@@ -250,7 +282,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Without a handler SIGTERM ends the process at once, leaving <out>.tmp-<host>-<pid> behind.
+    # Without a handler SIGTERM ends the process at once, leaving <out>.tmp-<host>-<pid>-<random> behind.
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)

@@ -22,17 +22,19 @@ Memory is ``O(N + E_k)`` on top of the graph (``E_k``: in-edges of partition ``k
 partition at a time: a few ``N``-sized index arrays shared by all partitions, and per
 partition only its own arrays (``E_k + n_k`` int32 adjacency entries, its features); no
 ``N x K`` or ``E x K`` arrays, no copy of the CSR. The graph's CSR is only read, row by
-row (numba), so it may be memory-mapped. Everything is written to a
-temporary sibling directory ``<out>.tmp-<host>-<pid>`` and renamed into place at the end,
+row (numba), so it may be memory-mapped. Everything is written to a new temporary
+sibling directory ``<out>.tmp-<host>-<pid>-<random>`` and renamed into place at the end,
 so an interrupted run leaves nothing that looks like a valid set; one killed outright
 leaves its temporary directory, which the next run on the same machine for the same
-``<out>`` deletes.
+``<out>`` deletes. The set's id (:func:`bnsgcn.data.format.set_id`) is known once every
+array is written: it goes into each partition's ``partition.json``, then the manifest.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import socket
 from collections.abc import Iterable, Sequence
@@ -45,10 +47,13 @@ import bnsgcn
 from bnsgcn.data.format import (
     MANIFEST_NAME,
     PART_ARRAYS,
+    PART_META_NAME,
     part_dir_name,
     read_manifest,
+    set_id,
     write_array,
     write_manifest,
+    write_part_meta,
 )
 from bnsgcn.errors import UserError
 from bnsgcn.metrics.progress import Progress
@@ -67,8 +72,9 @@ def input_entries(files: Iterable[Path]) -> list[dict]:
     return entries
 
 
-def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
-    """The manifest's ``dataset`` entry; ``inputs`` from :func:`input_entries`."""
+def dataset_entry(graph: Graph, spec: str, inputs: list[dict], num_classes_given: int | None = None) -> dict:
+    """The manifest's ``dataset`` entry; ``inputs`` from :func:`input_entries`; ``num_classes_given``
+    the class count the user set (``bnsgcn-partition --num-classes``), None when the labels gave it."""
     return {
         "name": graph.name,
         "spec": spec,
@@ -77,21 +83,31 @@ def dataset_entry(graph: Graph, spec: str, inputs: list[dict]) -> dict:
         "num_edges": graph.num_edges,
         "num_features": int(graph.features.shape[1]),
         "num_classes": int(graph.num_classes),
+        "num_classes_given": num_classes_given,
         "multilabel": bool(graph.multilabel),
         "symmetrized": bool(graph.symmetrized),
     }
 
 
 def find_reusable(
-    out_dir: Path, spec: str, parts: int, partitioner: dict, force: bool = False, *, inputs: Sequence[dict] = ()
+    out_dir: Path,
+    spec: str,
+    parts: int,
+    partitioner: dict,
+    force: bool = False,
+    *,
+    inputs: Sequence[dict] = (),
+    num_classes_given: int | None = None,
 ) -> dict | None:
     """Return the manifest of a valid set at ``out_dir`` made by the same request, else ``None``.
 
     The request is the dataset spec, its input files (``inputs`` from :func:`input_entries`:
-    path, size and modification time each), ``parts`` and the normalised ``partitioner``
-    entry (method, objective, seed, assignment file checksum). Valid means a readable
-    manifest and every listed file present with its listed size (checksums are left to
-    ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
+    path, size and modification time each), ``parts``, the normalised ``partitioner``
+    entry (method, objective, seed, assignment file checksum) and the class count given
+    (``--num-classes``, None without). Valid means a manifest that passes
+    :func:`~bnsgcn.data.format.read_manifest` and every listed file present with its listed
+    size, and each partition's ``partition.json`` where the set has an id (checksums are
+    left to ``bnsgcn-train --verify``). A *different* or broken set at ``out_dir`` raises
     :class:`UserError` unless ``force``; a path that is not a partition set at all is never
     overwritten, not even with ``force``.
     """
@@ -108,6 +124,7 @@ def find_reusable(
             manifest["dataset"]["spec"] == spec
             and manifest["parts"] == parts
             and _request(manifest["partitioner"]) == _request(partitioner)
+            and manifest["dataset"].get("num_classes_given") == num_classes_given
         )
         # Sets written before input files were recorded have no "inputs": as if made from none.
         same_inputs = manifest["dataset"].get("inputs", []) == list(inputs)
@@ -119,6 +136,10 @@ def find_reusable(
                 for name, meta in entry["files"].items()
             )
             and len(manifest["partitions"]) == parts
+            and (
+                "set_id" not in manifest
+                or all((out_dir / e["dir"] / PART_META_NAME).is_file() for e in manifest["partitions"])
+            )
         )
     except (UserError, KeyError, TypeError):
         same = same_inputs = complete = False
@@ -169,13 +190,15 @@ def writer_bytes(graph: Graph, assignment: np.ndarray, parts: int) -> int:
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete ``<out>.tmp-<host>-<pid>`` directories left by killed runs on this machine
-    (pid no longer running, or ours). Other machines' are kept: on a shared file system
-    their pids say nothing here."""
+    """Delete ``<out>.tmp-<host>-<pid>[-<random>]`` directories left by killed runs on this
+    machine (pid no longer running, or ours). Other machines' are kept: on a shared file
+    system their pids say nothing here."""
     out_dir = Path(out_dir)
     if not out_dir.parent.is_dir():
         return
-    pattern = re.compile(re.escape(out_dir.name) + r"\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)")
+    pattern = re.compile(
+        re.escape(out_dir.name) + r"\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)(?:-[0-9a-f]+)?"
+    )
     for candidate in out_dir.parent.iterdir():
         match = pattern.fullmatch(candidate.name)
         if match and candidate.is_dir() and not candidate.is_symlink() and not _running_elsewhere(int(match[1])):
@@ -196,19 +219,31 @@ def _running_elsewhere(pid: int) -> bool:
 
 
 def probe_writable(out_dir: Path) -> None:
-    """Create and remove the temporary directory of ``out_dir`` (and missing parents); OSError if that fails.
+    """Create and remove a temporary directory of ``out_dir`` (and missing parents); OSError if that fails.
 
     Asking the file system is the only reliable test: permission bits do not stop root, yet
     /proc, sysfs and the like refuse new directories even to root.
     """
-    tmp_dir = _temporary_dir(out_dir)
-    created = _make_dirs(tmp_dir)
-    for directory in reversed(created):
+    for directory in reversed(_make_temporary_dir(out_dir)):
         _remove_if_empty(directory)
 
 
-def _temporary_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+def _make_temporary_dir(out_dir: Path) -> list[Path]:
+    """Create a new ``<out>.tmp-<host>-<pid>-<random>`` and the missing parents of ``out_dir``;
+    return the directories created, outermost first, the temporary one last.
+
+    The random part makes the name unpredictable, and ``mkdir`` creates it or fails: the
+    set is never written into a directory, or through a symbolic link, planted there.
+    """
+    created = _make_dirs(out_dir.parent)
+    tmp_dir = out_dir.parent / f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        tmp_dir.mkdir()
+    except BaseException:
+        for directory in reversed(created):
+            _remove_if_empty(directory)
+        raise
+    return [*created, tmp_dir]
 
 
 def write_partition_set(
@@ -223,6 +258,7 @@ def write_partition_set(
     force: bool = False,
     progress: bool = True,
     position: np.ndarray | None = None,
+    num_classes_given: int | None = None,
 ) -> dict:
     """Write the partition set of ``assignment`` (int64 [N], values in ``[0, parts)``).
 
@@ -232,13 +268,18 @@ def write_partition_set(
     ``method_info`` is the manifest's ``partitioner`` entry
     (:func:`bnsgcn.partition.partitioner.method_info`); ``dataset_spec`` (default ``graph.name``)
     and ``inputs`` (:func:`input_entries` of the files the graph was read from) identify
-    the dataset for reuse. An existing set made by the same request is reused unless
-    ``force``; see :func:`find_reusable`. Returns the manifest.
+    the dataset for reuse, with ``num_classes_given`` (``--num-classes``: the class count
+    of ``graph`` was set by the user). An existing set made by the same request is reused
+    unless ``force``; see :func:`find_reusable`. Returns the manifest.
+
+    A file that cannot be written raises ``OSError`` naming it as it would be in the set.
     """
     out_dir = Path(out_dir)
     spec = graph.name if dataset_spec is None else dataset_spec
     inputs = list(inputs)
-    existing = find_reusable(out_dir, spec, parts, method_info, force, inputs=inputs)
+    existing = find_reusable(
+        out_dir, spec, parts, method_info, force, inputs=inputs, num_classes_given=num_classes_given
+    )
     if existing is not None:
         return existing
     assignment = np.asarray(assignment, dtype=np.int64)
@@ -248,26 +289,31 @@ def write_partition_set(
         raise ValueError(f"assignment must be int64 [{graph.num_nodes}] with values in [0, {parts})")
 
     remove_stale_temporaries(out_dir)
-    tmp_dir = _temporary_dir(out_dir)
-    created = _make_dirs(tmp_dir)
+    created = _make_temporary_dir(out_dir)
+    tmp_dir = created[-1]
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
-        report = build_report(partitions)
         manifest = {
-            "dataset": dataset_entry(graph, spec, inputs),
+            "dataset": dataset_entry(graph, spec, inputs, num_classes_given),
             "parts": parts,
             "partitioner": method_info,
             "self_loops": "one per node, added",
             "partitions": partitions,
-            "report": report,
+            "report": build_report(partitions),
             "created_by": {"tool": "bnsgcn-partition", "version": bnsgcn.__version__},
         }
-        write_manifest(tmp_dir, manifest)
+        identity = set_id(manifest)
+        for k, entry in enumerate(partitions):
+            write_part_meta(tmp_dir / entry["dir"], identity, k, parts)
+        write_manifest(tmp_dir, {"set_id": identity, **manifest})
         _move_into_place(tmp_dir, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         for directory in reversed(created[:-1]):  # parents this call created, innermost first
             _remove_if_empty(directory)
+        if isinstance(exc, OSError) and exc.filename and Path(exc.filename).is_relative_to(tmp_dir):
+            # name the file of the set, not of the temporary directory just removed
+            raise OSError(exc.errno, exc.strerror, str(out_dir / Path(exc.filename).relative_to(tmp_dir))) from exc
         raise
     return read_manifest(out_dir)
 
@@ -445,6 +491,7 @@ def _write_partitions(
                     "files": files,
                     "n_inner": int(n_inner),
                     "n_boundary": int(boundary.shape[0]),
+                    "boundary_counts": np.diff(boundary_offsets).tolist(),
                     "local_edges": in_edges - cut_edges,
                     "cut_edges": cut_edges,
                     "train_nodes": int(arrays["train_mask"].sum()),

@@ -31,7 +31,7 @@ SITES = {
     "comm.plan.exchange_selections:cpu": "device",  # the selection bits (p < 1)
     "exchange.transfers.start_nonzero_rows:tolist": "device",  # entries per peer (--nonzero-rows on)
     "comm.planners.NodeAwarePlanner.sample:cpu": "device",  # the node's selection bits (node-aware, p < 1)
-    "metrics.accounting.EpochAccount.row:__float__": "device",  # the loss, at the epoch's end
+    "metrics.accounting.EpochAccount.row:tolist": "device",  # the loss, at the epoch's end
     "metrics.accounting.EpochAccount.gather:cpu": "device",  # every rank's figures, at the epoch's end
     "run.train._evaluate:cpu": "device",  # the scores (evaluated epochs)
     "data.sampler.sample_boundary:tolist": "host",
@@ -54,6 +54,8 @@ SITES = {
     "run.train._train:__float__": "host",
     "run.train._epoch_record:numpy": "host",  # the gathered table is on the CPU (rank 0 only)
     "run.train._scores:tolist": "host",
+    "run.train._refuse_non_finite:nonzero": "host",  # the gathered table is on the CPU
+    "run.train._refuse_non_finite:tolist": "host",
 }
 
 
@@ -292,7 +294,7 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
     assert sorted(SITES.keys() - seen) == [], "listed sites no longer occur: drop them from SITES and docs/training.md"
     full = {site for rank in results for site in rank[3]["instrumented"]}
     assert {s for s in full if SITES[s] == "device"} == {
-        "metrics.accounting.EpochAccount.row:__float__",
+        "metrics.accounting.EpochAccount.row:tolist",
         "metrics.accounting.EpochAccount.gather:cpu",
         "run.train._evaluate:cpu",
     }

@@ -26,26 +26,19 @@ import torch
 from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError
 
-from .helpers.cli import PARTITION, TRAIN, Outcome, assert_kept, assert_user_error, run_cli, snapshot
-from .helpers.graphs import partition, random_graph
-
-# Tiny model, few epochs: every run here is about the checks around training.
-SMALL_RUN = [
-    "--layers",
-    "2",
-    "--hidden",
-    "8",
-    "--epochs",
-    "2",
-    "--eval-every",
-    "1",
-    "--threads",
-    "1",
-    "--timeout",
-    "60",
-]
-NUM_CLASSES = 3
-
+from .helpers.cli import (
+    PARTITION,
+    SMALL_RUN,
+    TRAIN,
+    Outcome,
+    assert_kept,
+    assert_user_error,
+    run_cli,
+    snapshot,
+    train_on,
+)
+from .helpers.graphs import NUM_CLASSES, partition, random_graph, write_npz
+from .helpers.partition_sets import edit_array
 
 # --- fixtures: one good partition set and one good run, made once -----------------------
 
@@ -87,10 +80,6 @@ def unwritable_dir(tmp_path: Path) -> Path:
     return link
 
 
-def train_on(parts_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["--procs", "2", "--parts-dir", str(parts_dir), "--out", str(run_dir), *SMALL_RUN, *extra]
-
-
 def expect_train_error(cwd: Path, parts_dir: Path, run_dir: Path, args: list[str], *keywords: str) -> Outcome:
     """Run bnsgcn-train; check the error, and that the partition set and the earlier run
     directory it was given are left as they were."""
@@ -103,24 +92,6 @@ def expect_train_error(cwd: Path, parts_dir: Path, run_dir: Path, args: list[str
 
 
 # --- bnsgcn-partition --------------------------------------------------------------------
-
-
-def write_npz(path: Path, features: np.ndarray | None = None, labels: np.ndarray | None = None) -> Path:
-    """A small graph in the npz layout of docs/datasets.md, optionally with bad arrays."""
-    graph = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2)
-    np.savez(
-        path,
-        adj_indptr=graph.indptr,
-        adj_indices=graph.indices,
-        adj_data=np.ones(graph.indices.shape[0], np.float32),
-        adj_shape=np.array([graph.num_nodes, graph.num_nodes]),
-        features=graph.features if features is None else features,
-        labels=graph.labels if labels is None else labels,
-        train_mask=graph.train_mask,
-        val_mask=graph.val_mask,
-        test_mask=graph.test_mask,
-    )
-    return path
 
 
 def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywords: str) -> Outcome:
@@ -355,16 +326,6 @@ def test_train_flipped_bytes_are_caught_with_verify(tmp_path, parts, good_run):
         "fails its SHA-256 checksum",
         "corrupt",
     )
-
-
-def edit_array(path: Path, edit) -> None:
-    """Change values of a partition array in place, keeping dtype, shape and file size
-    (only ``--verify`` would notice from the checksum)."""
-    array = np.load(path)
-    size = path.stat().st_size
-    edit(array)
-    np.save(path, array)
-    assert path.stat().st_size == size
 
 
 def test_train_labels_out_of_range_in_an_edited_set(tmp_path, parts, good_run):

@@ -186,6 +186,7 @@ def test_resume_with_max_lag_one_equals_the_uninterrupted_run(parts, tmp_path):
     assert losses_of(rest.run.out) == losses_of(whole.run.out)
     assert_same_params(results, 0, 2, exact=True)
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
+    expected += [f"{name}.sha256" for name in expected]  # each file's checksum (bnsgcn.run.checkpoint)
     assert sorted(p.name for p in (first.run.out / "checkpoints").iterdir()) == sorted(expected)
 
 

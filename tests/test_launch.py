@@ -20,7 +20,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bnsgcn.data.format import write_manifest
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import JobStopped, PeerLost, UserError
 from bnsgcn.launch import cli
@@ -42,6 +41,8 @@ from bnsgcn.launch.network import default_master_port, free_port, port_in_use
 from bnsgcn.launch.rank import report_errors, training_parser
 from bnsgcn.launch.supervisor import Child, supervise
 from bnsgcn.run.provenance import launch_info, run_name_suffix
+
+from .helpers.graphs import partition, random_graph
 
 PY = sys.executable
 PRINT_PID = "import os; print('pid', os.getpid(), flush=True)"
@@ -102,9 +103,8 @@ def run_supervised(children: list[Child], grace_s: float = 5.0) -> tuple[int, st
 
 
 def make_set(directory: Path, parts: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    write_manifest(directory, {"parts": parts})
-    return directory
+    """A small real partition set: the launcher checks the whole manifest and every partition.json."""
+    return partition(random_graph(num_nodes=10 * parts), parts, directory)
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "bnsgcn"
 FORBIDDEN = ("partition", "launch")
-FOUNDATIONS = {"errors": set(), "device": set(), "config": {"errors", "device"}, "kernels": {"errors"}}
-FOUNDATIONS["metrics"] = {"errors"}
+FOUNDATIONS = {"errors": set(), "device": set(), "files": {"errors"}, "config": {"errors", "device"}}
+FOUNDATIONS |= {"kernels": {"errors"}, "metrics": {"errors", "files"}}
 STAGES = ("data", "comm", "exchange", "nn", "sync", "run")  # the order data flows in an epoch
 
 

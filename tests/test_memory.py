@@ -69,15 +69,15 @@ def test_stale_exchange_leaves_no_cycle():
 
 def test_each_model_builds_only_the_adjacencies_it_uses(tmp_path):
     from bnsgcn.data.shard import load_shard
-    from bnsgcn.nn.graph import ShardGraph
+    from bnsgcn.nn.layers import shard_graph
 
     from .helpers.graphs import partition, random_graph
 
     topology = load_shard(partition(random_graph(40, seed=2), 2, tmp_path / "parts"), 0, 2).topology
-    gat = ShardGraph(topology, "gat", torch.device("cpu"))
+    gat = shard_graph(topology, "gat", torch.device("cpu"))
     assert gat.full is not None and gat.inner is None and gat.boundary is None
     for model in ("graphsage", "gcn"):
-        graph = ShardGraph(topology, model, torch.device("cpu"))
+        graph = shard_graph(topology, model, torch.device("cpu"))
         assert graph.full is None and graph.inner is not None and graph.boundary is not None
     keep = torch.rand(topology.n_boundary) < 0.5
     epoch = gat.epoch(keep, 0.5, None, None)
@@ -112,8 +112,7 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
     its boundary columns: (output, gradients of input and weights, bytes kept for backward
     in tensors of a row per node, as the input)."""
     from bnsgcn.comm.plan import full_plan
-    from bnsgcn.nn.graph import ShardGraph
-    from bnsgcn.nn.layers import SAGEConv
+    from bnsgcn.nn.layers import SAGEConv, shard_graph
 
     indptr = torch.tensor([0, 3, 5, 8, 10])
     indices = torch.tensor([0, 5, 6, 1, 4, 2, 3, 7, 3, 6])
@@ -126,7 +125,7 @@ def _sage_layer_run(exchange_input: bool, seed: int = 5) -> tuple[torch.Tensor, 
         send_nodes=torch.arange(4),
         send_counts=[4],
     )
-    graph = ShardGraph(topology, "graphsage", torch.device("cpu"))
+    graph = shard_graph(topology, "graphsage", torch.device("cpu"))
     epoch = graph.epoch(
         torch.ones(4, dtype=torch.bool), 1.0, full_plan(topology, torch.device("cpu")), BoundaryExchange(_one_rank())
     )

@@ -51,8 +51,8 @@ def test_a_rank_that_cannot_load_the_choice_stops_the_job(tmp_path):
     chosen.write_bytes(b"torn")  # what rank 1 sees there
     with pytest.raises(
         UserError,
-        match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(\w+\); every rank must see the same run "
-        r"directory",
+        match=r"^rank 1: .*checkpoint-000002.pt cannot be read here \(it fails its SHA-256 checksum: the file is "
+        r"damaged\); every rank must see the same run directory",
     ):
         _load_checkpoint(TrainConfig(), _RankOne(chosen), tmp_path, SIGNATURE, exchange=LocalExchange())
     chosen.unlink()

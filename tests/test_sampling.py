@@ -13,7 +13,7 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import load_shard
 from bnsgcn.kernels import spmm
-from bnsgcn.nn.graph import ShardGraph
+from bnsgcn.nn.layers import shard_graph
 
 from .helpers.graphs import partition, random_graph
 from .helpers.ranks import run_ranks
@@ -28,7 +28,7 @@ def test_sampled_mean_aggregation_is_unbiased(tmp_path):
     parts = partition(graph, 3, tmp_path / "parts")
     shard = load_shard(parts, 1, 3)
     topo = shard.topology
-    sg = ShardGraph(topo, "graphsage", torch.device("cpu"))
+    sg = shard_graph(topo, "graphsage", torch.device("cpu"))
     boundary_ids = np.load(parts / "part-1" / "boundary_nodes.npy")
     x_inner = shard.features
     x_boundary = torch.from_numpy(graph.features[boundary_ids])

@@ -87,3 +87,10 @@ def test_parser_defaults_are_the_dataclass_defaults():
         flipped.exchange.staleness,
         flipped.exchange.stale_smoothing,
     ) == (False, True, 1, 0.5)
+
+
+def test_the_model_choices_are_the_built_in_layers():
+    from bnsgcn.config.sections import MODELS
+    from bnsgcn.nn.layers import LAYERS
+
+    assert sorted(MODELS) == sorted(LAYERS)

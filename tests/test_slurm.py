@@ -219,12 +219,13 @@ def test_the_store_names_the_rank_that_stopped_or_failed_first():
     import torch.distributed as dist
 
     from bnsgcn.comm.communicator import Comm
+    from bnsgcn.comm.store import JobStore
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
 
     def view(rank: int) -> Comm:
         comm = Comm.__new__(Comm)  # only what the progress reports use
-        comm.rank, comm.world_size, comm.store = rank, 3, dist.PrefixStore("job/", store)
+        comm.rank, comm.world_size, comm.store = rank, 3, JobStore(dist.PrefixStore("job/", store), timeout=10)
         return comm
 
     ranks = [view(r) for r in range(3)]

@@ -259,14 +259,15 @@ def test_resume_equals_the_uninterrupted_run_and_a_seed_repeats(parts, tmp_path)
         for name, value in results[rank][0]["params"].items():
             assert np.array_equal(results[rank][1]["params"][name], value), name
             assert np.array_equal(results[rank][3]["params"][name], value), name
-    # the newest two checkpoints (keep_checkpoints), each with one part per rank
+    # the newest two checkpoints (keep_checkpoints), each with one part per rank, and their checksums
     expected = [f"checkpoint-{e:06d}{part}.pt" for e in (4, 6) for part in ["", *(f".rank-{r}" for r in range(WORLD))]]
+    expected += [f"{name}.sha256" for name in expected]  # each file's checksum (bnsgcn.run.checkpoint)
     assert sorted(p.name for p in (first.run.out / "checkpoints").iterdir()) == sorted(expected)
     # The stale rows were drawn for p = 0.5: another p cannot continue from them.
     with pytest.raises(
         AssertionError,
         match=r"checkpoint-000006.rank-\d.pt holds stale boundary rows sampled with --p 0.5 --seed 3; resume "
-        r"--staleness 1 with those",
+        "--staleness 1 with those",
     ):
         run_ranks(WORLD, [rest.replace(p=0.3, epochs=8)], nodes=NODES)
 

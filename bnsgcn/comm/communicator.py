@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bnsgcn.comm.store import JobStore, interface_reaching, job_prefix, serve
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import PeerLost, UserError, first_sentence
 from bnsgcn.metrics.timing import DeviceClock
@@ -95,10 +96,10 @@ class Comm:
         timeout: float,
         nodes: Nodes | None = None,
         pipelined: bool = False,
-        store: dist.Store | None = None,
+        store: JobStore | None = None,
     ):
         self.rank = rank
-        self.store = store  # the job's key-value store: progress reports (see report_progress)
+        self.store = store  # the job's key-value store, every call bounded (see report_progress)
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
@@ -279,9 +280,8 @@ class Comm:
         if self.store is None or self.world_size == 1:
             return
         try:
-            self.store.set_timeout(timedelta(seconds=STALL_WAIT_S))
             # compare_set creates the key only if absent: the first failing rank's line stays.
-            self.store.compare_set(FIRST_FAILURE_KEY, "", f"rank {self.rank} failed first: {message}")
+            self.store.compare_set(FIRST_FAILURE_KEY, "", f"rank {self.rank} failed first: {message}", STALL_WAIT_S)
         except Exception:  # nothing more to do: this rank's own error line still says it
             pass
 
@@ -297,22 +297,22 @@ class Comm:
         """
         if self.store is None or self.world_size == 1:
             return None
-        try:
-            self.store.set_timeout(timedelta(seconds=wait_s))  # never wait --timeout again
-            self.store.set(f"failed/{self.rank}", "1")
+        store = self.store
+        try:  # every call bounded by wait_s: never wait --timeout again
+            store.set(f"failed/{self.rank}", "1", wait_s)
             deadline = time.monotonic() + wait_s
             while True:
-                if self.store.check([FIRST_FAILURE_KEY]):
-                    return self.store.get(FIRST_FAILURE_KEY).decode()
-                silent = [r for r in range(self.world_size) if not self.store.check([f"failed/{r}"])]
+                if store.check([FIRST_FAILURE_KEY], wait_s):
+                    return store.get(FIRST_FAILURE_KEY, wait_s).decode()
+                silent = [r for r in range(self.world_size) if not store.check([f"failed/{r}"], wait_s)]
                 if not silent or time.monotonic() >= deadline:
                     break
                 time.sleep(0.1)
             stages = {
-                r: self.store.get(f"progress/{r}").decode() if self.store.check([f"progress/{r}"]) else "setup"
+                r: store.get(f"progress/{r}", wait_s).decode() if store.check([f"progress/{r}"], wait_s) else "setup"
                 for r in silent
             }
-        except Exception:  # the store itself is gone: it lives in rank 0's process
+        except Exception:  # the store itself is gone or stopped: it lives in rank 0's process
             return None if self.rank == 0 else "rank 0 stopped (it holds the job's store, which does not answer)"
         if not silent:
             return None
@@ -411,18 +411,27 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     else:
         torch_device, backend = torch.device("cpu"), "gloo"
+    master_addr, master_port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT")
     if rank != 0:
-        _wait_for_master(os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT"), timeout)
+        _wait_for_master(master_addr, master_port, timeout)
+    # ranks' own connections (gloo's pairs, NCCL's bootstrap) on the interface that reaches
+    # the master: the loopback one for a job on one machine (a value the user exported wins)
+    interface = interface_reaching(master_addr)
+    if interface is not None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, interface)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=timeout)))
+        elif rank == 0:
+            store = serve(master_addr, master_port, world_size, timeout)
+        else:
+            store = dist.TCPStore(master_addr, master_port, world_size, False, timedelta(seconds=timeout))
     except dist.DistError as exc:
         raise PeerLost(
             f"not every rank joined within --timeout {timeout:g} s ({first_sentence(exc)}); see the other ranks' errors"
         ) from exc
-    # torchrun hands a restarted attempt the same store, still holding the dead attempt's
-    # peer addresses: a prefix per attempt keeps the attempts apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"bnsgcn/attempt-{attempt}/", store)
+    store = dist.PrefixStore(job_prefix(), store)
     try:
         dist.init_process_group(
             backend=backend,
@@ -446,4 +455,6 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
     if world_size > 1:
         keys = [None] * world_size
         dist.all_gather_object(keys, node_key())
-    return Comm(rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined, store)
+    return Comm(
+        rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined, JobStore(store, timeout)
+    )

@@ -221,6 +221,9 @@ class RunConfig:
     )
     threads: int | None = setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
     out: Path | None = setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")
+    force: bool = setting(
+        False, "start anew in an --out that holds an earlier run, moving that run into <out>/previous-<n>/"
+    )
     log_json: Path | None = setting(None, "also write the per-epoch JSON lines here", type=Path, shown="none")
     timeout: float = setting(300.0, "seconds any collective may wait before the job fails")
     debug: bool = setting(False, "show tracebacks")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bnsgcn.data.format import load_partition
+from bnsgcn.data.format import check_partition_values, load_partition
 from bnsgcn.errors import UserError
 from bnsgcn.kernels.adjacency import csr_problem
 
@@ -135,13 +135,16 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def load_shard(parts_dir: Path, part: int, num_ranks: int | None, verify: bool = False) -> Shard:
     """Load partition ``part`` for a job of ``num_ranks`` ranks (which must equal the part
-    count; None: any count, for a work pool, see :mod:`bnsgcn.sync.workpool`)."""
+    count; None: any count, for a work pool, see :mod:`bnsgcn.sync.workpool`). With ``verify``
+    every file's checksum and every index are checked (:func:`bnsgcn.data.format.load_partition`,
+    :func:`bnsgcn.data.format.check_partition_values`)."""
     arrays = load_partition(parts_dir, part, verify=verify)
     if num_ranks is not None and arrays.num_parts != num_ranks:
         raise UserError(
             f"{parts_dir} has {arrays.num_parts} partitions but the job has {num_ranks} ranks; "
             f"start {arrays.num_parts} ranks or re-partition with --parts {num_ranks}"
         )
+    check_partition_values(arrays, full=verify)
     n_inner = int(arrays["inner_nodes"].shape[0])
     labels = arrays["labels"]
     multilabel = labels.ndim == 2
@@ -156,7 +159,7 @@ def load_shard(parts_dir: Path, part: int, num_ranks: int | None, verify: bool =
     )
     # The loaders check the dataset; these catch a partition set edited or damaged since
     # (sizes unchanged, so only --verify's checksums would notice), naming file and node.
-    part_dir = Path(parts_dir) / arrays.manifest["partitions"][part]["dir"]
+    part_dir = arrays.directory
     problem = csr_problem(topology.indptr, topology.indices, n_inner + topology.n_boundary)
     if problem is not None:
         raise UserError(

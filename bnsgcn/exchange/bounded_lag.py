@@ -98,10 +98,8 @@ from bnsgcn.comm.wire import WireFormat
 from bnsgcn.data.sampler import sample_boundary
 from bnsgcn.data.shard import Topology, segment_counts
 from bnsgcn.errors import PeerLost, peer_lost_message
-from bnsgcn.exchange.base import Exchange
-from bnsgcn.exchange.stale import DelayedFlight
+from bnsgcn.exchange.stale import DelayedExchange, DelayedFlight
 from bnsgcn.exchange.synchronous import BoundaryExchange, InFlightRows
-from bnsgcn.metrics.memory import storage_bytes
 
 ROWS, GRADS, END = 0, 1, 2
 HEADER = 6  # int64: kind, slot, epoch, row version, values per row, dtype (both on the wire)
@@ -121,7 +119,7 @@ class _Peer:
         self.threads: list[threading.Thread] = []
 
 
-class LagExchange(Exchange):
+class LagExchange(DelayedExchange):
     """Boundary exchange with bounded lag (see the module). ``synchronous`` serves the first
     epoch; ``topology`` is the training graph's. Collective to build (one gather of every
     rank's ``boundary_counts``, one new process group). ``rows_format`` and ``grads_format``:
@@ -363,15 +361,6 @@ class LagExchange(Exchange):
             held = [t for versions in self.rows.values() for t in versions.values()]
             held += [t for versions in self.grads.values() for _, t in versions.values()]
         return held + list(self.row_average.values()) + list(self.row_seen.values()) + list(self.grad_average.values())
-
-    def buffers(self) -> list[Tensor | None]:
-        return self.synchronous.buffers() + self._held()
-
-    def largest_bytes(self) -> int:
-        return self.synchronous.largest_bytes() + storage_bytes(self._held())
-
-    def release(self) -> None:
-        self.synchronous.release()  # the first epoch's; what arrived is for the epochs ahead
 
     def start(
         self,

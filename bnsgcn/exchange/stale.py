@@ -27,6 +27,7 @@ and adds that.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,28 @@ class _Slot:
         self.grad_average: Tensor | None = None  # [len(send_rows), *row]
 
 
-class StaleExchange(Exchange):
+class DelayedExchange(Exchange):
+    """What the stale and bounded-lag exchanges share: ``synchronous``, a
+    :class:`BoundaryExchange` for the epochs with nothing delayed in hand (its buffers are
+    theirs too), and what they hold between epochs (:meth:`_held`)."""
+
+    synchronous: BoundaryExchange
+
+    @abstractmethod
+    def _held(self) -> list[Tensor | None]:
+        """The rows, gradients and averages held between epochs."""
+
+    def buffers(self) -> list[Tensor | None]:
+        return self.synchronous.buffers() + self._held()
+
+    def largest_bytes(self) -> int:
+        return self.synchronous.largest_bytes() + storage_bytes(self._held())
+
+    def release(self) -> None:
+        self.synchronous.release()  # the first epoch's; what is held is for the epochs ahead
+
+
+class StaleExchange(DelayedExchange):
     """Boundary exchange one epoch behind (see the module). ``synchronous`` serves the epochs
     with no stale rows in hand, and its sampling draws the samples (one epoch ahead);
     ``topology`` is the training graph's."""
@@ -138,15 +160,6 @@ class StaleExchange(Exchange):
             out += [b.storage for b in (state.send, *state.recv, grads.send, grads.recv, grads.relay)]
             out += [state.row_average, state.row_seen, state.grad_average]
         return out
-
-    def buffers(self) -> list[Tensor | None]:
-        return self.synchronous.buffers() + self._held()
-
-    def largest_bytes(self) -> int:
-        return self.synchronous.largest_bytes() + storage_bytes(self._held())
-
-    def release(self) -> None:
-        self.synchronous.release()  # the first epoch's; the stale rows are the next epoch's
 
     def prepare(self, next_plan: ExchangePlan, next_keep: Tensor) -> None:
         """At the start of an epoch: the next epoch's sample (bool [n_boundary]) and plan,

@@ -55,6 +55,9 @@ COLUMNS = (
     # in the epoch, and the seconds it waited because they would have been older than allowed
     # (a part of the exchange times, not a phase of its own)
     + ("lag", "time_lag_wait")
+    # the L2 norm of the gradients of the epoch's step (summed over the steps of a --work-pool
+    # epoch): with the loss, what tells a run gone non-finite
+    + ("grad_norm",)
 )
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -64,7 +67,8 @@ class EpochAccount:
 
     Phases are timed on the device's clock (:class:`~bnsgcn.metrics.timing.DeviceClock`: CUDA events
     on CUDA, host time on CPU) and resolved once, by :meth:`take_comm` or :meth:`gather` at
-    the epoch's end. ``loss_sum`` may be left a device tensor: it is read there too.
+    the epoch's end. ``loss_sum`` and ``grad_norm`` may be left device tensors: they are
+    read there too, together.
     """
 
     def __init__(self, device: torch.device | None = None, clock: DeviceClock | None = None) -> None:
@@ -128,8 +132,10 @@ class EpochAccount:
         the loss; what :meth:`gather` sends, and what decoupled ``--sync`` modes keep until a
         sync point, :class:`bnsgcn.sync.averaging.EpochTables`)."""
         self._resolve()
-        if isinstance(self.values["loss_sum"], torch.Tensor):  # the one read of the loss
-            self.values["loss_sum"] = float(self.values["loss_sum"])
+        on_device = [c for c in ("loss_sum", "grad_norm") if isinstance(self.values[c], torch.Tensor)]
+        if on_device:  # the one read of the epoch's device values
+            read = torch.stack([self.values[c].to(torch.float64) for c in on_device]).tolist()
+            self.values.update(zip(on_device, read))
         return torch.tensor([self.values[c] for c in COLUMNS], dtype=torch.float64)
 
     def gather(self, comm: Comm) -> torch.Tensor:

@@ -1,19 +1,44 @@
-"""Rank-prefixed logging and the run directory's JSON-lines metrics."""
+"""Rank-prefixed logging and the run directory's JSON-lines metrics.
+
+``log.txt`` and ``metrics.jsonl`` grow by whole lines (:class:`bnsgcn.files.LineFile`):
+a line that does not fit on the disk is not left half-written, and the run ends with one
+line naming the file.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from bnsgcn.errors import UserError
+from bnsgcn.files import LineFile, write_bytes
+
+
+class LogFile(logging.Handler):
+    """``log.txt``: each record one whole line, in UTF-8; what is not text there (an --out
+    whose name is not UTF-8) escaped as on stderr. A line that cannot be written raises
+    the :class:`UserError` naming the file, where :class:`logging.FileHandler` would print
+    a traceback and go on."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.file = LineFile(path)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.file.append((self.format(record) + "\n").encode("utf-8", "backslashreplace"))
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
 
 
 def setup_logging(rank: int, log_file: Path | None = None) -> logging.Logger:
     """A logger whose lines start with ``[rank R]``; rank 0 also writes ``log_file``."""
     logger = logging.getLogger("bnsgcn")
+    for handler in logger.handlers:  # an earlier run's, in this process
+        handler.close()
     logger.handlers.clear()
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -22,7 +47,7 @@ def setup_logging(rank: int, log_file: Path | None = None) -> logging.Logger:
     stream.setFormatter(fmt)
     logger.addHandler(stream)
     if log_file is not None:
-        handler = logging.FileHandler(log_file)
+        handler = LogFile(log_file)
         handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s"))
         logger.addHandler(handler)
     return logger
@@ -36,25 +61,22 @@ class MetricsWriter:
     """
 
     def __init__(self, paths: list[Path], keep_epochs: int = 0):
-        self.handles = []
+        self.files = []
         for path in paths:
             kept = _records(path, keep_epochs) if keep_epochs and path.is_file() else []
             # The kept lines go to a new file that replaces the old one whole: a run killed
             # here again still has them.
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
-            self.handles.append(open(path, "a"))
+            write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+            self.files.append(LineFile(path))
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record) + "\n"
-        for handle in self.handles:
-            handle.write(line)
-            handle.flush()
+        line = (json.dumps(record) + "\n").encode()  # ASCII: json.dumps escapes the rest
+        for file in self.files:
+            file.append(line)
 
     def close(self) -> None:
-        for handle in self.handles:
-            handle.close()
+        for file in self.files:
+            file.close()
 
 
 def _records(path: Path, keep_epochs: int) -> list[dict]:

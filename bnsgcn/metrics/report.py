@@ -16,19 +16,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bnsgcn.errors import UserError
+from bnsgcn.files import atomic, write_bytes
 from bnsgcn.metrics.memory import HOLDERS
 
 if TYPE_CHECKING:
     import torch
 
 REPORT_NAME = "report.json"
+FIGURES = ("memory.png", "boundary.png", "time.png")  # what write_figures draws
 PLOTS_HINT = "figures need matplotlib: pip install bnsgcn[plots]"
 MiB = 2**20
 # figure -> (label, unit) in the table, in this order; a figure no rank reports is left out
@@ -207,9 +208,7 @@ def spread(values: list[float]) -> dict:
 def write(run_dir: Path, report: dict, figures: bool = True) -> Path:
     """Write ``report.json`` atomically, print the table and (``figures``) draw the PNGs."""
     path = Path(run_dir) / REPORT_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_bytes(path, (json.dumps(report, indent=1) + "\n").encode())  # ASCII: json.dumps escapes the rest
     print(render_table(report), file=sys.stderr)
     if figures:
         write_figures(report, Path(run_dir))
@@ -378,19 +377,14 @@ def write_figures(report: dict, out_dir: Path) -> list[Path]:
         ax.set_title("time split per rank")
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
-    drawings: dict[str, tuple[Callable, tuple[float, float]]] = {
-        "memory.png": (memory, (7, 4)),
-        "boundary.png": (boundary, (11, 4)),
-        "time.png": (time, (8, 4.5)),
-    }
+    drawings: list[tuple[Callable, tuple[float, float]]] = [(memory, (7, 4)), (boundary, (11, 4)), (time, (8, 4.5))]
     paths = []
-    for name, (draw, size) in drawings.items():
+    for name, (draw, size) in zip(FIGURES, drawings, strict=True):
         fig = Figure(figsize=size, layout="constrained")
         draw(fig)
         path = Path(out_dir) / name
-        tmp = path.with_suffix(".png.tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
+        with atomic(path) as sink:
+            fig.savefig(sink, format="png", dpi=100)
         paths.append(path)
     return paths
 
@@ -433,12 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         for run, (_, report) in zip(args.runs, reports):
             try:
                 paths = write_figures(report, run)
-            except OSError as exc:
-                print(
-                    f"error: cannot write figures into {run} ({exc.strerror}); make it writable or copy the run "
-                    "elsewhere",
-                    file=sys.stderr,
-                )
+            except UserError as exc:
+                print(f"error: {exc}", file=sys.stderr)
                 return 2
             for path in paths:
                 print(f"wrote {path}")

@@ -25,8 +25,6 @@ from bnsgcn.data.shard import Topology
 from bnsgcn.exchange.base import Exchange, InFlight
 from bnsgcn.kernels import Adjacency, gat_aggregate, spmm, spmm_add_
 
-NORMALIZATION = {"graphsage": "mean", "gcn": "symmetric", "gat": None}
-
 
 def degree_scales(topology: Topology, normalization: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Row scale [n_inner] and column scale [n_inner + n_boundary] (None: all ones) of the
@@ -111,7 +109,7 @@ class EpochGraph:
         self,
         z: torch.Tensor,
         source_scores: Callable[[torch.Tensor], torch.Tensor],
-        target_scores: torch.Tensor,
+        target_scores: Callable[[torch.Tensor], torch.Tensor],
         negative_slope: float,
         slot: int,
         from_input: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None,
@@ -119,9 +117,9 @@ class EpochGraph:
         """Multi-head attention over the epoch's columns (self-loops included): for each head,
         ``sum_u alpha_vu z_u`` with ``alpha_vu`` the softmax over ``u`` of
         ``w_u exp(LeakyReLU(s_u + t_v))`` (``w_u``: the column weight, ``1/p`` for sampled
-        boundary nodes). ``z`` [n_inner, H, D] the inner nodes' values; ``source_scores``
-        maps values [n, H, D] to ``s`` [n, H]; ``target_scores`` ``t`` [n_inner, H].
-        Returns [n_inner, H, D].
+        boundary nodes). ``z`` [n_inner, H, D] the inner nodes' values; ``source_scores`` and
+        ``target_scores`` map values [n, H, D] to ``s`` and ``t`` [n, H]. Returns
+        [n_inner, H, D].
 
         The boundary nodes' ``z`` come from their owners, or, with ``from_input`` (``x``
         [n_inner, d_in] and the projection ``x -> z``, where ``d_in`` < ``H * D``), from
@@ -129,14 +127,18 @@ class EpochGraph:
         ``z`` crosses (its slices of every head's columns, after the owners' scores ``s``).
         """
         if self.exchange.column_slice_bytes:
-            return self._attend_in_slices(z, source_scores(z), target_scores, negative_slope)
+            return self._attend_in_slices(z, source_scores(z), target_scores(z), negative_slope)
         if from_input is not None:
             x, project = from_input
             z_boundary = project(self.boundary_rows(x, slot))
         else:
             z_boundary = self.boundary_rows(z, slot)
         z_all = torch.cat([z, z_boundary])
-        return gat_aggregate(self.full, z_all, source_scores(z_all), target_scores, self.column_weight, negative_slope)
+        # in this order: z's gradients (from the exchange, the concatenation and the target
+        # scores) are summed in the reverse order of their uses
+        return gat_aggregate(
+            self.full, z_all, source_scores(z_all), target_scores(z), self.column_weight, negative_slope
+        )
 
     def boundary_rows(self, x_inner: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows of the sampled boundary nodes for layer ``slot``, fetched from their owners:
@@ -254,15 +256,18 @@ class _KeptRows:
 
 
 class ShardGraph:
-    """The static, normalised adjacency of a shard for one model, built once at load."""
+    """The static, normalised adjacency of a shard for one model's layers, built once at load:
+    ``normalization`` (see :func:`degree_scales`), and ``attention``: the layers aggregate
+    with a softmax over inner and boundary columns together, so they need the whole
+    adjacency (``full``) instead of its inner and boundary parts."""
 
-    def __init__(self, topology: Topology, model: str, device: torch.device):
+    def __init__(self, topology: Topology, normalization: str | None, attention: bool, device: torch.device):
         self.topology = topology
         self.device = device
-        row_scale, col_scale = degree_scales(topology, NORMALIZATION[model])
+        row_scale, col_scale = degree_scales(topology, normalization)
         n, nb = topology.n_inner, topology.n_boundary
         self.inner = self.boundary = self.full = None
-        if model == "gat":
+        if attention:
             full = Adjacency.from_csr(topology.indptr, topology.indices, n + nb)
             # entries per boundary column, on the host: a sample's sizes without reading the device
             self._column_nnz = full.t_indptr.diff()[n:]

@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bnsgcn.config import TrainConfig
+from bnsgcn.data.shard import Topology
 from bnsgcn.kernels.dense import linear_pair, linear_sum
-from bnsgcn.nn.graph import EpochGraph
+from bnsgcn.nn.graph import EpochGraph, ShardGraph
 
 
 def narrow_aggregation(lin: nn.Linear) -> bool:
@@ -46,7 +49,20 @@ class SAGEConv(nn.Module):
     then cross as their nonzero entries, which a product's rows may not).
     """
 
+    normalization = "mean"  # A[v, u] = 1 / deg(v) (bnsgcn.nn.graph.degree_scales)
+    attention = False
+    activation = staticmethod(F.relu)
     reads_x_with_x_agg = True  # W_s h_v still needs the node's own input
+
+    @classmethod
+    def build(cls, d_in: int, d_out: int, slot: int, last: bool, config: TrainConfig) -> SAGEConv:
+        """Layer ``slot`` of a model of ``config``."""
+        # the first layer's input rows (features) need no gradient back, products' rows would
+        return cls(d_in, d_out, slot, exchange_input=slot == 0 or config.exchange.nonzero_rows == "on")
+
+    @property
+    def out_features(self) -> int:
+        return self.lin_self.out_features
 
     @property
     def cheap_to_recompute(self) -> bool:
@@ -100,7 +116,19 @@ class GCNConv(nn.Module):
     .. math:: h'_v = \sum_{u \in N(v) \cup \{v\}} \frac{W h_u}{\sqrt{\deg(u)\deg(v)}} + b
     """
 
+    normalization = "symmetric"  # A[v, u] = 1 / sqrt(deg(u) deg(v))
+    attention = False
+    activation = staticmethod(F.relu)
     reads_x_with_x_agg = False  # with a precomputed aggregation the layer is W x_agg + b
+
+    @classmethod
+    def build(cls, d_in: int, d_out: int, slot: int, last: bool, config: TrainConfig) -> GCNConv:
+        """Layer ``slot`` of a model of ``config``."""
+        return cls(d_in, d_out, slot)
+
+    @property
+    def out_features(self) -> int:
+        return self.lin.out_features
 
     @property
     def cheap_to_recompute(self) -> bool:
@@ -151,6 +179,9 @@ class GATConv(nn.Module):
     Whichever of ``h`` [d_in] and ``z`` [H*D] is narrower is what crosses the network.
     """
 
+    normalization = None  # the pattern only: attention supplies the weights
+    attention = True
+    activation = staticmethod(F.elu)
     reads_x_with_x_agg = True  # never given x_agg: attention is not precomputable
     cheap_to_recompute = False  # attention costs as much again: only with --remat
     exchanges_input = False  # it fetches projections of its input
@@ -166,6 +197,15 @@ class GATConv(nn.Module):
         nn.init.uniform_(self.att_src, -bound, bound)
         nn.init.uniform_(self.att_dst, -bound, bound)
 
+    @classmethod
+    def build(cls, d_in: int, d_out: int, slot: int, last: bool, config: TrainConfig) -> GATConv:
+        """Layer ``slot`` of a model of ``config``: heads concatenated, averaged in the last."""
+        return cls(d_in, d_out, config.model.heads, slot, concat=not last)
+
+    @property
+    def out_features(self) -> int:
+        return self.bias.numel()
+
     @property
     def output_bias(self) -> nn.Parameter:
         """``b``: what ``add_bias=False`` leaves to the caller."""
@@ -179,7 +219,7 @@ class GATConv(nn.Module):
         out = g.attend(
             z,
             self.source_scores,
-            self.target_scores(z),
+            self.target_scores,
             self.negative_slope,
             self.slot,
             from_input=(x, self.project) if narrower_input else None,
@@ -203,3 +243,13 @@ class GATConv(nn.Module):
         averaged ([n, d_out]), plus the bias (with ``add_bias``)."""
         out = out.reshape(out.shape[0], -1) if self.concat else out.mean(1)
         return out + self.bias if add_bias else out
+
+
+# The built-in models by --model name: a model is its layer class (stacked by bnsgcn.nn.model.GNN).
+LAYERS: dict[str, type[nn.Module]] = {"graphsage": SAGEConv, "gcn": GCNConv, "gat": GATConv}
+
+
+def shard_graph(topology: Topology, model: str, device: torch.device) -> ShardGraph:
+    """The static adjacency the layers of ``model`` aggregate over, on ``device``."""
+    layer = LAYERS[model]
+    return ShardGraph(topology, layer.normalization, layer.attention, device)

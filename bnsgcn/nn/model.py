@@ -13,7 +13,7 @@ from bnsgcn.comm.wire import WireFormat
 from bnsgcn.config import TrainConfig
 from bnsgcn.kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
 from bnsgcn.nn.graph import EpochGraph
-from bnsgcn.nn.layers import GATConv, GCNConv, SAGEConv
+from bnsgcn.nn.layers import LAYERS
 from bnsgcn.nn.recompute import recomputed
 
 
@@ -108,28 +108,19 @@ class GNN(nn.Module):
         # draws random numbers that its recomputation would not draw again: the stochastic
         # rounding of int8/int4 rows does, and replayed rows are not rounded again
         self.merge_output_segment = config.model.remat and not WireFormat(config.exchange.compress).draws_random_numbers
-        self.activation = F.elu if config.model.name == "gat" else F.relu
+        layer_class = LAYERS[config.model.name]
+        self.activation = layer_class.activation
         self.layers = nn.ModuleList()
         self.norms = nn.ModuleList()
         self.kept_for_recompute: list[Tensor] = []
         d_in = in_dim
         for i in range(config.model.layers):
             last = i == config.model.layers - 1
-            d_out = num_classes if last else config.model.hidden
-            if config.model.name == "graphsage":
-                # the first layer's input rows (features) need no gradient back, products' rows would
-                layer: nn.Module = SAGEConv(
-                    d_in, d_out, slot=i, exchange_input=i == 0 or config.exchange.nonzero_rows == "on"
-                )
-            elif config.model.name == "gcn":
-                layer = GCNConv(d_in, d_out, slot=i)
-            else:
-                layer = GATConv(d_in, d_out, config.model.heads, slot=i, concat=not last)
-                d_out = d_out * (1 if last else config.model.heads)
+            layer = layer_class.build(d_in, num_classes if last else config.model.hidden, i, last, config)
             self.layers.append(layer)
             if not last:
-                self.norms.append(_norm(config.model.norm, d_out, reduce))
-            d_in = d_out
+                self.norms.append(_norm(config.model.norm, layer.out_features, reduce))
+            d_in = layer.out_features
         # Recomputed for backward (--remat), an output layer that multiplies first needs only its dense
         # products: its aggregation keeps nothing, and its output goes unused (see _layer).
         self.replay_skips_aggregation = [

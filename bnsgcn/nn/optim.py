@@ -110,6 +110,14 @@ class Adam:
                 f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in {len(groups)} groups; "
                 f"this model has {len(self.params)} in one"
             )
+        for index, p in zip(groups[0]["params"], self.params):  # checked before anything changes
+            saved = state_dict["state"].get(index)
+            for key in ("exp_avg", "exp_avg_sq") if saved is not None else ():
+                if saved[key].shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state {key} of parameter {index} has shape {tuple(saved[key].shape)}, the "
+                        f"parameter {tuple(p.shape)}"
+                    )
         self.group = {k: (tuple(groups[0][k]) if k == "betas" else groups[0][k]) for k in HYPERPARAMETERS}
         for index, p in zip(groups[0]["params"], self.params):
             saved = state_dict["state"].get(index)

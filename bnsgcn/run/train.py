@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import bnsgcn
+from bnsgcn import files
 from bnsgcn.comm.communicator import Comm, init_from_env
 from bnsgcn.comm.plan import fetch_boundary
 from bnsgcn.comm.planners import DirectPlanner, NodeAwarePlanner, make_planner
@@ -61,9 +63,10 @@ from bnsgcn.metrics.accounting import (
 from bnsgcn.metrics.log import MetricsWriter, setup_logging
 from bnsgcn.metrics.progress import Progress, step
 from bnsgcn.nn.graph import ShardGraph
+from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Adam
-from bnsgcn.run import checkpoint
+from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
@@ -107,7 +110,7 @@ def run(config: TrainConfig) -> dict:
     # which then hides the real error. The process ends right after anyway.
     try:
         with stop_on_signals(config.checkpoint.every > 0) as stop:
-            summary = _train(config, comm, stop)
+            summary, draw_figures = _train(config, comm, stop)
     except Exception as exc:
         if is_peer_failure(exc):  # name the rank that caused it, if the store knows
             if isinstance(exc, PeerLost):
@@ -121,12 +124,16 @@ def run(config: TrainConfig) -> dict:
             )
         raise
     comm.close()
+    # rank 0's slow end-of-run work after the others left: no rank waits for it in a barrier
+    draw_figures()
     return summary
 
 
-def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
-    """Rank 0 picks and creates the run directory; every rank learns it."""
-    error = None
+def _resolve_run_dir(config: TrainConfig, comm: Comm) -> tuple[Path, Path | None]:
+    """Rank 0 picks and creates the run directory; every rank learns it. An earlier run
+    there is refused, unless resumed or moved aside with --force (:mod:`bnsgcn.run.directory`);
+    the second value is where it went, if it was."""
+    error = moved = None
     run_dir = config.run.out
     if comm.rank == 0:
         if run_dir is None:
@@ -135,22 +142,25 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> Path:
             while run_dir.exists():
                 run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
                 suffix += 1
-        if not config.checkpoint.resume and checkpoint.has_checkpoints(run_dir):
-            error = f"{run_dir} holds the checkpoints of an earlier run; pass --resume to continue it, or a new --out"
+        try:
+            if not config.checkpoint.resume and (held := directory.earlier_run(run_dir)):
+                if not config.run.force:
+                    raise directory.refusal(run_dir, held)
+                moved = directory.move_aside(run_dir, held)
+        except UserError as exc:
+            error = str(exc)
         folders = [] if error else [run_dir] + ([checkpoint.checkpoint_dir(run_dir)] if config.checkpoint.every else [])
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                probe = folder / ".write-test"
-                probe.write_text("")
-                probe.unlink()
+                files.check_writable(folder)
             except OSError as exc:
                 error = f"cannot write {folder} ({exc.strerror}); pass a writable --out"
                 break
-    run_dir, error = comm.broadcast_object((run_dir, error))
+    run_dir, moved, error = comm.broadcast_object((run_dir, moved, error))
     if error:
         raise UserError(error)
-    return Path(run_dir)
+    return Path(run_dir), moved
 
 
 def _graph_inputs(
@@ -162,7 +172,7 @@ def _graph_inputs(
     labels: Tensor,
     train_mask: Tensor,
 ) -> GraphInputs:
-    graph = ShardGraph(topology, config.model.name, comm.device)
+    graph = shard_graph(topology, config.model.name, comm.device)
     planner = make_planner(comm, topology, config.exchange.mode)
     x_agg = None
     if config.model.use_precompute:
@@ -264,7 +274,7 @@ class Best:
             self.state = copy.deepcopy(model.state_dict())
 
 
-def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> dict:
+def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> tuple[dict, Callable[[], None]]:
     job = _setup(config, comm)
     start_epoch, best = _resume(job)
     metrics = _open_run_files(job, start_epoch)
@@ -301,6 +311,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         account.values["elapsed"] = time.perf_counter() - started
         account.take_comm(comm)
         for done, table in gathered.collect(epoch + 1, account, sync_point):
+            _refuse_non_finite(done, table)
             tables.append(table)
             last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
             _write_epoch(job, metrics, done, last_loss, table, scores if done == epoch + 1 else None)
@@ -405,8 +416,10 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
     if global_train == 0:
         raise UserError(f"{config.data.parts_dir} has no training nodes; check the dataset's train mask")
-    run_dir = _resolve_run_dir(config, comm)
+    run_dir, moved = _resolve_run_dir(config, comm)
     log = setup_logging(comm.rank, run_dir / "log.txt" if comm.rank == 0 else None)
+    if moved is not None:
+        log.info("--force: moved the earlier run into %s", moved)
     log.info(
         "partition %d: %d inner nodes, %d boundary nodes, %d edges, device %s (%s), node %d of %d, %s exchange",
         comm.rank,
@@ -483,8 +496,21 @@ def _resume(job: Job) -> tuple[int, Best]:
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
-    job.model.load_state_dict(state["model"])
-    job.optimizer.load_state_dict(state["optimizer"])
+    error = None
+    try:  # a checkpoint edited since, or one of a model whose shapes its signature does not capture
+        job.model.load_state_dict(state["model"])
+        job.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        lines = str(exc).strip().splitlines()
+        # torch's first line says only "Error(s) in loading state_dict for GNN:"; the next names a tensor
+        detail = (lines[1] if len(lines) > 1 else lines[0]).strip().rstrip(".")
+        error = (
+            f"rank {job.comm.rank}: {checkpoint.checkpoint_path(job.run_dir, state['epoch'])} does not fit this model "
+            f"({detail}); resume with the partition set and flags it was written with, or pass a new --out"
+        )
+    errors = [e for e in job.comm.all_gather_object(error) if e]
+    if errors:
+        raise UserError(errors[0])
     if part is not None:
         job.exchange.load_state_dict(part)
     job.log.info("resumed from epoch %d", state["epoch"])
@@ -503,7 +529,10 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
         "ranks_per_node": [len(m) for m in comm.nodes.members],
         "launch": launch_info(),
     }
-    (job.run_dir / "config.json").write_text(json.dumps(job.resolved.to_json() | layout, indent=1) + "\n")
+    # ASCII: json.dumps escapes the rest (an --out whose name is not UTF-8 included)
+    files.write_bytes(
+        job.run_dir / "config.json", (json.dumps(job.resolved.to_json() | layout, indent=1) + "\n").encode()
+    )
     return MetricsWriter(
         [job.run_dir / "metrics.jsonl"] + ([job.config.run.log_json] if job.config.run.log_json else []),
         keep_epochs=start_epoch,
@@ -534,9 +563,11 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     if job.sync.decoupled:
         with account.timed("sync"):
             job.sync.before_step(epoch)
+    grad_norm = _grad_norm(job.model)
     job.optimizer.step()
-    # the loss stays on the device: EpochAccount.gather reads it once, at the epoch's end
-    account.values.update(loss_sum=loss_sum.detach(), sampled_boundary=plan.num_received, steps=1)
+    # the loss and the gradient norm stay on the device: EpochAccount.gather reads them once,
+    # at the epoch's end
+    account.values.update(loss_sum=loss_sum.detach(), grad_norm=grad_norm, sampled_boundary=plan.num_received, steps=1)
     account.values.update(job.exchange.figures())  # e.g. --max-lag's lag and its waits
 
 
@@ -547,6 +578,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     pool, sync, model = job.pool, job.sync, job.model
     sync.start_epoch()
     loss_sum, steps = torch.zeros((), device=job.comm.device), 0
+    grad_norm = torch.zeros((), device=job.comm.device)
     model.train()
     while True:
         with account.timed("sampling"):
@@ -576,12 +608,37 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
         with account.timed("reduction"):
             step, more = sync.finish_round(num_train, taken is not None) if sync.lockstep else (num_train > 0, True)
         if step:
+            grad_norm = grad_norm + _grad_norm(model)
             job.optimizer.step()
         with account.timed("sync"):
             sync.after_pool_step(epoch)
         if not more:
             break
-    account.values.update(loss_sum=loss_sum, sampled_boundary=0, steps=steps)
+    account.values.update(loss_sum=loss_sum, grad_norm=grad_norm, sampled_boundary=0, steps=steps)
+
+
+def _grad_norm(model: torch.nn.Module) -> Tensor:
+    """The L2 norm of the gradients the optimizer is about to step with, on their device
+    (read with the loss, at the epoch's end: no synchronisation here)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
+def _refuse_non_finite(epoch: int, table: Tensor) -> None:
+    """Every rank, from the epoch's gathered table: end the job when some rank's loss or
+    gradient norm is not finite, before this epoch's records, checkpoint or best model are
+    written (a non-finite step has already changed the parameters)."""
+    loss, grad = table[:, INDEX["loss_sum"]], table[:, INDEX["grad_norm"]]
+    bad = (~torch.isfinite(loss) | ~torch.isfinite(grad)).nonzero().flatten().tolist()
+    if not bad:
+        return
+    where = ", ".join(f"rank {r} (loss sum {loss[r].item():g}, gradient norm {grad[r].item():g})" for r in bad)
+    raise UserError(
+        f"epoch {epoch}: training went non-finite on {where}; stopped before writing anything of this epoch "
+        "(the checkpoints of earlier epochs are kept): check the inputs with --verify, or lower --lr"
+    )
 
 
 def _write_epoch(
@@ -645,10 +702,13 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
     comm.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
 
-def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float) -> dict:
+def _finish(
+    job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float
+) -> tuple[dict, Callable[[], None]]:
     """The report (``tables``: every rank's figures, one table per epoch run; the report
     gives their steady-state medians), the best model and the summary line (rank 0); the
-    summary (every rank)."""
+    summary (every rank), and what is left to do once the ranks have parted: rank 0 draws
+    the report's figures (nothing on the others)."""
     config, comm, shard = job.config, job.comm, job.shard
     topo = shard.topology
     train, evaluate = job.train_inputs, job.eval_inputs
@@ -701,9 +761,11 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
             "launch": launch_info(),
             "steady_state": steady,
         }
-        report.write(job.run_dir, report.build(figures, per_epoch, info))
+        built = report.build(figures, per_epoch, info)
+        report.write(job.run_dir, built, figures=False)
         if best.state is not None:
-            torch.save(best.state, job.run_dir / "best_model.pt")
+            with files.atomic(job.run_dir / "best_model.pt") as sink:
+                torch.save(best.state, sink)
         metrics.write(summary)
         metrics.close()
         job.log.info(
@@ -713,19 +775,23 @@ def _finish(job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Te
             best.test_score,
             job.run_dir,
         )
-    return summary | {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
+    summary |= {"model": job.model} | ({"partitions_taken": job.pool.taken} if job.pool else {})
+    if metrics is None:
+        return summary, lambda: None
+    return summary, lambda: report.write_figures(built, job.run_dir)
 
 
 def _load_checkpoint(
     config: TrainConfig, comm: Comm, run_dir: Path, signature: dict, exchange: Exchange
 ) -> tuple[dict | None, dict | None]:
-    """Rank 0 picks the newest checkpoint that loads; every rank loads that one (and, where
-    its exchange keeps a part, its own part), or every rank stops with the first rank's
-    error."""
+    """Rank 0 picks the newest usable checkpoint (:func:`bnsgcn.run.checkpoint.newest`: it and
+    every rank's part agree with their checksums); every rank loads that one (and, where its
+    exchange keeps a part, its own part), or every rank stops with the first rank's error."""
     chosen = state = error = None
     if comm.rank == 0:
         try:
-            chosen, state = checkpoint.newest(run_dir, signature) or (None, None)
+            parts = comm.world_size if exchange.checkpoint_part is not None else 0
+            chosen, state = checkpoint.newest(run_dir, signature, parts) or (None, None)
         except UserError as exc:
             error = str(exc)
     chosen, error = comm.broadcast_object((chosen, error))

@@ -40,7 +40,8 @@ from bnsgcn.data.sampler import derive_seed
 from bnsgcn.data.shard import Shard, Topology, load_shard
 from bnsgcn.errors import UserError
 from bnsgcn.exchange.base import LocalExchange
-from bnsgcn.nn.graph import EpochGraph, ShardGraph
+from bnsgcn.nn.graph import EpochGraph
+from bnsgcn.nn.layers import shard_graph
 
 POOL_STREAM = 7  # derive_seed stream of the pool's order (the sampler uses 0, dropout 1)
 
@@ -117,7 +118,7 @@ class WorkPool:
     def _build(self, part: int) -> PartInputs:
         shard = self.shards[part]
         device = self.comm.device
-        graph = ShardGraph(shard.topology, self.model, device)
+        graph = shard_graph(shard.topology, self.model, device)
         x_agg = None
         if self.precompute:
             with torch.no_grad():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +166,49 @@ def _check_labels(labels: np.ndarray, num_nodes: int, num_classes: int, multilab
             "count"
         )
     return np.ascontiguousarray(labels, dtype=np.int64)
+
+
+# A single-label class count above both is refused unless --num-classes confirms it.
+CLASS_COUNT_FLOOR = 32
+CLASS_COUNT_RATIO = 2
+
+
+def with_class_count(graph: Graph, num_classes: int | None, source: str) -> Graph:
+    """``graph`` with ``num_classes`` classes (``bnsgcn-partition --num-classes``), or with its
+    own count (the largest label + 1, or what the dataset declares) when None.
+
+    Its own count is refused when it is over :data:`CLASS_COUNT_FLOOR` and over
+    :data:`CLASS_COUNT_RATIO` times the number of distinct labels: one stray label (10,000,000
+    among labels 0..40) would otherwise make the output layer and the logits that wide.
+    Multi-label targets have one column per class; ``num_classes`` must match it.
+    """
+    if graph.multilabel:
+        if num_classes is not None and num_classes != graph.num_classes:
+            raise UserError(
+                f"{source}: --num-classes {num_classes}, but the multi-label targets have {graph.num_classes} "
+                "columns, one per class; drop --num-classes"
+            )
+        return graph
+    if num_classes is not None:
+        _check_labels(graph.labels, graph.num_nodes, num_classes, False, source)
+        return replace(graph, num_classes=num_classes)
+    classes, labels = graph.num_classes, graph.labels
+    if classes <= CLASS_COUNT_FLOOR:
+        return graph
+    # Distinct labels by counting (O(N), no sort) while the count array stays within 2N entries.
+    if classes <= 2 * labels.size:
+        distinct = int(np.count_nonzero(np.bincount(labels, minlength=classes)))
+    else:
+        distinct = int(np.unique(labels).size)
+    if classes > CLASS_COUNT_RATIO * distinct:
+        largest = int(labels.max()) if labels.size else 0
+        raise UserError(
+            f"{source}: {classes:,} classes but only {distinct:,} distinct labels (the largest {largest:,}); a class "
+            f"count over {CLASS_COUNT_FLOOR} and over {CLASS_COUNT_RATIO}x the distinct labels is refused as a likely "
+            f"stray label (the output layer and logits would be {classes:,} wide); fix the labels, or pass "
+            f"--num-classes {classes} if there are that many classes"
+        )
+    return graph
 
 
 def _check_masks(

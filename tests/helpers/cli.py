@@ -13,6 +13,21 @@ from . import kernels
 
 PARTITION = [sys.executable, "-m", "bnsgcn.partition.cli"]
 TRAIN = [sys.executable, "-m", "bnsgcn.launch.cli"]
+# Tiny model, few epochs: every run here is about the checks around training.
+SMALL_RUN = [
+    "--layers",
+    "2",
+    "--hidden",
+    "8",
+    "--epochs",
+    "2",
+    "--eval-every",
+    "1",
+    "--threads",
+    "1",
+    "--timeout",
+    "60",
+]
 CLI_TIMEOUT_S = 240  # generous on a loaded machine; a hang still fails the test
 # Variables that would switch bnsgcn-train into one-rank mode (torchrun / srun).
 RANK_VARIABLES = (
@@ -90,3 +105,8 @@ def assert_kept(before: dict[str, bytes], directory: Path) -> None:
             assert after[name].startswith(content), name
         else:
             assert after[name] == content, name
+
+
+def train_on(parts_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """bnsgcn-train arguments: 2 ranks on ``parts_dir`` into ``run_dir``, the small run, ``extra``."""
+    return ["--procs", "2", "--parts-dir", str(parts_dir), "--out", str(run_dir), *SMALL_RUN, *extra]

@@ -15,6 +15,7 @@ from bnsgcn.partition.writer import write_partition_set
 from . import REPO
 
 SHARED_DATA = REPO.parent / "shared" / "data"
+NUM_CLASSES = 3  # of the small graphs the error tests write (write_npz)
 
 
 def random_graph(
@@ -113,3 +114,21 @@ def community_graph(communities: int = 8, size: int = 250, seed: int = 0) -> Gra
         split >= 0.75,
         4,
     )
+
+
+def write_npz(path: Path, features: np.ndarray | None = None, labels: np.ndarray | None = None) -> Path:
+    """A small graph in the npz layout of docs/datasets.md, optionally with bad arrays."""
+    graph = random_graph(num_nodes=40, avg_degree=4, classes=NUM_CLASSES, seed=2)
+    np.savez(
+        path,
+        adj_indptr=graph.indptr,
+        adj_indices=graph.indices,
+        adj_data=np.ones(graph.indices.shape[0], np.float32),
+        adj_shape=np.array([graph.num_nodes, graph.num_nodes]),
+        features=graph.features if features is None else features,
+        labels=graph.labels if labels is None else labels,
+        train_mask=graph.train_mask,
+        val_mask=graph.val_mask,
+        test_mask=graph.test_mask,
+    )
+    return path
