@@ -115,18 +115,17 @@ def record_gradients_aggregating_first():
     """:func:`record_gradients`, with GraphSAGE's equal-width layers aggregating first, as
     they do under ``--nonzero-rows on`` (``off`` multiplies first: the same result, other
     sums): dense rows then run the very sums the nonzero ones do."""
-    import bnsgcn.nn.model
-    from bnsgcn.nn.layers import SAGEConv
+    from bnsgcn.nn.layers import LAYERS, SAGEConv
 
     class AggregatingFirst(SAGEConv):
         def __init__(self, d_in: int, d_out: int, slot: int, exchange_input: bool = False):
             super().__init__(d_in, d_out, slot, exchange_input=True)
 
-    bnsgcn.nn.model.SAGEConv = AggregatingFirst
+    LAYERS["graphsage"] = AggregatingFirst
     collect = record_gradients()
 
     def restore():
-        bnsgcn.nn.model.SAGEConv = SAGEConv
+        LAYERS["graphsage"] = SAGEConv
         return collect()
 
     return restore
