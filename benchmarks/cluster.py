@@ -149,7 +149,8 @@ def check_requirements() -> None:
     missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
     if missing:
         raise UserError(
-            f"the emulated cluster needs {', '.join(missing)} on PATH; install iproute2 (ip, tc) and util-linux (unshare)"
+            f"the emulated cluster needs {', '.join(missing)} on PATH; "
+            "install iproute2 (ip, tc) and util-linux (unshare)"
         )
 
 
@@ -219,7 +220,8 @@ def sh(command: list[str], check: bool = True) -> str:
     if check and done.returncode != 0:
         message = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserError(
-            f"`{shlex.join(command)}` failed: {message}; the emulated cluster needs network namespaces, veth, bridge and tbf support"
+            f"`{shlex.join(command)}` failed: {message}; "
+            "the emulated cluster needs network namespaces, veth, bridge and tbf support"
         )
     return done.stdout
 
@@ -420,7 +422,10 @@ class Run:
 
     @property
     def name(self) -> str:
-        name = f"{graph_key(self.graph, self.data_dir)}-{self.method}-{self.nodes}x{self.ranks_per_node}-{self.link}-{self.model}-p{self.p:g}-{self.exchange}"
+        name = (
+            f"{graph_key(self.graph, self.data_dir)}-{self.method}-{self.nodes}x{self.ranks_per_node}"
+            f"-{self.link}-{self.model}-p{self.p:g}-{self.exchange}"
+        )
         # runs with other training flags are other runs (``-- --compress int8``: "...-compress-int8")
         return name + "".join(f"-{re.sub(r'[^A-Za-z0-9_.]', '_', flag.lstrip('-'))}" for flag in self.flags)
 
@@ -877,7 +882,8 @@ def render(document: dict) -> str:
                 "",
                 time_table(ok),
                 "",
-                "MiB per epoch (engine: all-to-all bytes of all ranks; link: every byte through the nodes' eth0, run total / epochs):",
+                "MiB per epoch (engine: all-to-all bytes of all ranks; "
+                "link: every byte through the nodes' eth0, run total / epochs):",
                 "",
                 bytes_table(ok),
                 "",
@@ -1056,7 +1062,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.nodes < 2:
         raise UserError(
-            f"--nodes {args.nodes}: the emulated cluster needs at least 2 nodes (links between them are what it emulates)"
+            f"--nodes {args.nodes}: the emulated cluster needs at least 2 nodes "
+            "(links between them are what it emulates)"
         )
     for flag, value in (
         ("--ranks-per-node", args.ranks_per_node),

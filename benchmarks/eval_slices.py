@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 peaks = ", ".join(f"{r['peak_rss_mib']:.0f}" for r in run["ranks"])
                 evals = ", ".join(f"{r['evaluation_buffer_mib']:.1f}" for r in run["ranks"])
                 print(
-                    f"round {round_} --eval-buffer-mib {mib:g}: peak RSS per rank {peaks} MiB; evaluation buffers {evals} MiB; "
+                    f"round {round_} --eval-buffer-mib {mib:g}: peak RSS per rank {peaks} MiB; "
+                    f"evaluation buffers {evals} MiB; "
                     f"evaluation {run['evaluation_s']:.2f} s; test {run['test_score']:.4f} (load {load:.1f})",
                     flush=True,
                 )

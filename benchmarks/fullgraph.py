@@ -53,7 +53,8 @@ def load_full_graph(parts_dir: Path) -> FullGraph:
     arrays = load_partition(parts_dir, 0)
     if arrays.num_parts != 1:
         raise UserError(
-            f"{parts_dir} has {arrays.num_parts} partitions; the one-process references need a set written with --parts 1"
+            f"{parts_dir} has {arrays.num_parts} partitions; "
+            "the one-process references need a set written with --parts 1"
         )
     if arrays["labels"].ndim != 1:
         raise UserError(f"{parts_dir} is multi-label; the one-process references train single-label graphs")

@@ -339,14 +339,17 @@ def _merge(path: Path, document: dict) -> dict:
     """Add this call's results to those already in ``path`` (same graph/model/impl replaced)."""
     if path.is_file():
         old = json.loads(path.read_text())
-        key = lambda r: (
-            r.get("graph"),
-            r.get("model"),
-            r.get("impl"),
-            r.get("variant"),
-            r.get("product"),
-            r.get("width"),
-        )  # noqa: E731
+
+        def key(r: dict) -> tuple:
+            return (
+                r.get("graph"),
+                r.get("model"),
+                r.get("impl"),
+                r.get("variant"),
+                r.get("product"),
+                r.get("width"),
+            )
+
         for section in ("runs", "spmm", "profiles"):
             fresh = {key(r) for r in document.get(section, [])}
             document[section] = [r for r in old.get(section, []) if key(r) not in fresh] + document.get(section, [])
@@ -386,9 +389,11 @@ def _short(kernel: str, width: int = 110) -> str:
 def render(document: dict) -> str:
     m = document["machine"]
     lines = [
-        f"Device: {m.get('device_name')} ({m.get('device')}), torch {m.get('torch')}, copy bandwidth {m.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s",
+        f"Device: {m.get('device_name')} ({m.get('device')}), torch {m.get('torch')}, "
+        f"copy bandwidth {m.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s",
         "",
-        "| graph | model | implementation | epoch (s) | peak device allocated (MiB) | peak device reserved (MiB) | vs PyG epoch | vs PyG memory |",
+        "| graph | model | implementation | epoch (s) | peak device allocated (MiB) | peak device reserved (MiB) "
+        "| vs PyG epoch | vs PyG memory |",
         "|---|---|---|---|---|---|---|---|",
     ]
     runs = document["runs"]
@@ -408,7 +413,8 @@ def render(document: dict) -> str:
         name = run["impl"] + (f" ({run['variant']})" if run.get("variant") else "")
         if "error" in run:
             lines.append(
-                f"| {run['graph']} | {run['model']} | {name} | {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |"
+                f"| {run['graph']} | {run['model']} | {name} "
+                f"| {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |"
             )
             continue
         ratio = memory = ""
@@ -417,24 +423,28 @@ def render(document: dict) -> str:
             if run.get("peak_device_allocated_bytes") and best_pyg.get("peak_device_allocated_bytes"):
                 memory = f"{run['peak_device_allocated_bytes'] / best_pyg['peak_device_allocated_bytes']:.2f}x"
         lines.append(
-            f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} | {_mib(run.get('peak_device_allocated_bytes'))} | "
+            f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} "
+            f"| {_mib(run.get('peak_device_allocated_bytes'))} | "
             f"{_mib(run.get('peak_device_reserved_bytes'))} | {ratio} | {memory} |"
         )
     lines += [
         "",
-        "| graph | product | width | time (ms) | GB/s (compulsory bytes) | of copy bandwidth | with every row gathered |",
+        "| graph | product | width | time (ms) | GB/s (compulsory bytes) | of copy bandwidth "
+        "| with every row gathered |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in document["spmm"]:
         lines.append(
-            f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} | {row['achieved_bytes_per_s'] / 1e9:.0f} | "
+            f"| {row['graph']} | {row['product']} | {row['width']} | {row['seconds'] * 1e3:.2f} "
+            f"| {row['achieved_bytes_per_s'] / 1e9:.0f} | "
             f"{row['fraction_of_copy_bandwidth']:.0%} | {row['gathered_fraction_of_copy_bandwidth']:.0%} |"
         )
     for profile in document.get("profiles", []):
         lines += [
             "",
-            f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, {profile['ms_per_call']:.2f} ms "
-            f"({profile['clock']} time){' (' + profile['note'] + ')' if profile.get('note') else ''}; its largest operations:",
+            f"{profile['graph']}, {profile['model']}: one layer's aggregation, forward and backward, "
+            f"{profile['ms_per_call']:.2f} ms ({profile['clock']} time)"
+            f"{' (' + profile['note'] + ')' if profile.get('note') else ''}; its largest operations:",
             "",
             "| operation | calls | ms |",
             "|---|---|---|",
@@ -467,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         "--reference-tool",
         type=Path,
         default=REFERENCE_TOOL,
-        help="make_reference_graph.py (default ../shared/tools/; where it is missing, the synthetic generator at the same sizes)",
+        help="make_reference_graph.py "
+        "(default ../shared/tools/; where it is missing, the synthetic generator at the same sizes)",
     )
     # internal: one PyG measurement in a process of its own
     parser.add_argument("--pyg-worker", action="store_true", help=argparse.SUPPRESS)

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = [row for width in args.widths for row in time_products(graphs, width, args.repeat)]
     print(
-        f"partition {args.part} of {args.parts_dir}: {shard.topology.n_inner:,} inner, {shard.topology.n_boundary:,} boundary nodes, "
+        f"partition {args.part} of {args.parts_dir}: {shard.topology.n_inner:,} inner, "
+        f"{shard.topology.n_boundary:,} boundary nodes, "
         f"{shard.topology.nnz:,} entries; one thread, median (min) of {args.repeat} calls, ms"
     )
     print(f"| width | columns | product | {' | '.join(graphs)} |")

@@ -721,14 +721,16 @@ def render(document: dict) -> str:
     for run in document["runs"]:
         round_note = f", round {run['round']}" if document["config"]["rounds"] > 1 else ""
         lines += [
-            f"p = {run['p']:g}{round_note}, rank {run['slowest_rank']} (the slowest); floor from the roofline measured before and after the run "
+            f"p = {run['p']:g}{round_note}, rank {run['slowest_rank']} (the slowest); "
+            "floor from the roofline measured before and after the run "
             f"(rates differ by up to {100 * run['roofline']['rate_spread']:.0f}% between them):",
             "",
             "| phase | measured (s) | floor (s) | ratio | above floor (s) |",
             "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} | {r['above_floor_s']:.3f} |"
+            f"| {r['phase']} | {r['measured_s']:.3f} | {r['floor_s']:.3f} | {format_ratio(r['ratio'])} "
+            f"| {r['above_floor_s']:.3f} |"
             for r in run["phases"] + [run["epoch"]]
         ]
         verdict = "met" if run["target_met"] else "not met"
@@ -737,14 +739,20 @@ def render(document: dict) -> str:
         lines += [
             "",
             f"target epoch <= {TARGET_RATIO} x floor: the job's epoch (metrics.jsonl: the slowest rank's, median) "
-            f"{job['measured_s']:.3f} s against the largest rank floor {job['floor_s']:.3f} s: {verdict} ({format_ratio(job['ratio'])}); "
+            f"{job['measured_s']:.3f} s against the largest rank floor {job['floor_s']:.3f} s: "
+            f"{verdict} ({format_ratio(job['ratio'])}); "
             f"the phases' sum above: {format_ratio(run['epoch']['ratio'])}; "
-            f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): {format_ratio(busy['ratio'])}; "
-            f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): {format_ratio(strict['ratio'])}; "
-            f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} of the cores meanwhile",
+            f"against the floor measured with the other ranks' cores busy ({busy['floor_s']:.3f} s): "
+            f"{format_ratio(busy['ratio'])}; "
+            f"against the faster of the two measurements around the run ({strict['floor_s']:.3f} s): "
+            f"{format_ratio(strict['ratio'])}; "
+            f"other processes used {format_share(run['machine_use']['other_processes_core_share'])} "
+            "of the cores meanwhile",
             "",
-            f"the exchange's own CPU time (sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
-            f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
+            "the exchange's own CPU time "
+            f"(sockets copying its {run['exchange_cpu']['moved_bytes'] / MiB:,.0f} MiB sent and received per epoch, "
+            f"at the measured {1e3 * document['exchange_cost']['cpu_s_per_byte'] * MiB:.2f} ms per MiB): "
+            f"about {run['exchange_cpu']['cpu_s']:.3f} s per epoch "
             "on the ranks' cores, inside the measured compute (the floor counts no communication)",
             "",
             f"peak RSS per rank: {' / '.join(f'{m:,.0f}' for m in run['peak_rss_mib'])} MiB"
@@ -769,7 +777,8 @@ def render(document: dict) -> str:
     ]
     lines += [
         f"| {v['p']:g} | {', '.join(format_ratio(r) for r in v['ratios'])} | {format_ratio(v['median_ratio'])} | "
-        f"{'met' if v['target_met'] else 'not met'} | {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
+        f"{'met' if v['target_met'] else 'not met'} "
+        f"| {', '.join(format_ratio(r) for r in v['ratios_against_fastest'])} | "
         f"{format_ratio(v['median_ratio_against_fastest'])} |"
         for v in result["by_p"]
     ]

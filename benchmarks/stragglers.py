@@ -543,7 +543,8 @@ def benchmark(
         measured = non_delay_seconds(read_records(work / "runs" / run.name)[0], setting.delays)
         if measured <= 0:
             raise UserError(
-                f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); run it again on a quieter machine"
+                f"the calibration job's epochs took no longer than its slowest delay ({measured:+.3f} s); "
+                "run it again on a quieter machine"
             )
         measured_scale = measured / setting.reference_non_delay_s
         document["delay_scale"] = {
@@ -553,7 +554,8 @@ def benchmark(
             "calibration_epochs": run.epochs,
         }
         print(
-            f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): delays x {measured_scale:.3f}",
+            f"  {measured:.3f} s per epoch beyond the delays (reference {setting.reference_non_delay_s:g} s): "
+            f"delays x {measured_scale:.3f}",
             file=sys.stderr,
             flush=True,
         )
@@ -582,7 +584,8 @@ def benchmark(
             print(f"  failed: {error}", file=sys.stderr)
         else:
             print(
-                f"  best val {record['best_val_score']:.4f}, test {record['test_score']:.4f}, training {record['training_s']:.1f} s, "
+                f"  best val {record['best_val_score']:.4f}, test {record['test_score']:.4f}, "
+                f"training {record['training_s']:.1f} s, "
                 f"wall {record['wall_s']:.1f} s, steps {record['steps_per_rank']}",
                 file=sys.stderr,
                 flush=True,
@@ -740,7 +743,8 @@ def verdict_lines(target: dict) -> list[str]:
             else "no mode reached the target"
         )
         out.append(
-            f"seed {s['seed']}: target val {s['target_val']:.4f} (allreduce p = 0 best {s['baseline_best_val']:.4f} - 0.01); "
+            f"seed {s['seed']}: target val {s['target_val']:.4f} "
+            f"(allreduce p = 0 best {s['baseline_best_val']:.4f} - 0.01); "
             f"{best} (<= {TARGET_RATIO}: {met}); not reached: {', '.join(s['not_reached']) or 'none'}"
         )
     return out
@@ -751,8 +755,10 @@ def delays_text(document: dict) -> str:
     if not scaling:
         return str(delays)
     return (
-        f"{ {k: round(v * scaling['scale'], 3) for k, v in delays.items()} } ({delays} x {scaling['scale']:.3f}, --relative-delays: this machine "
-        f"adds {scaling['measured_non_delay_s']:.3f} s per epoch to the delays, the reference machine {scaling['reference_non_delay_s']:g} s)"
+        f"{ {k: round(v * scaling['scale'], 3) for k, v in delays.items()} } "
+        f"({delays} x {scaling['scale']:.3f}, --relative-delays: this machine "
+        f"adds {scaling['measured_non_delay_s']:.3f} s per epoch to the delays, "
+        f"the reference machine {scaling['reference_non_delay_s']:g} s)"
     )
 
 
@@ -761,19 +767,22 @@ def render(document: dict) -> str:
     ok = [r for r in document["runs"] if "error" not in r]
     link = document.get("link")
     where = (
-        f"{setting['nodes']} nodes x {setting['ranks_per_node']} ranks, link {link['requested']} (measured {link['measured_gbit_s']:.2f} Gbit/s)"
+        f"{setting['nodes']} nodes x {setting['ranks_per_node']} ranks, "
+        f"link {link['requested']} (measured {link['measured_gbit_s']:.2f} Gbit/s)"
         if setting["cluster"] and link
         else f"{setting['ranks']} ranks on loopback (--no-cluster)"
     )
     commands = "; ".join(f"`{c}`" for c in document.get("commands", []))
     out = [
-        f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores; {where}; graph `{setting['graph']}`; "
+        f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores; {where}; "
+        f"graph `{setting['graph']}`; "
         f"delays per epoch {delays_text(document)}; commands: {commands}",
         "",
     ]
     if ok:
         out += [
-            "Runs (training s: time.elapsed minus evaluation; time to target against allreduce p = 0 of the same seed):",
+            "Runs (training s: time.elapsed minus evaluation; "
+            "time to target against allreduce p = 0 of the same seed):",
             "",
             run_table(ok),
             "",

@@ -530,7 +530,8 @@ def render(document: dict) -> str:
     scaling = [r for r in results if r["group"] == "scaling"]
     out = [
         f"Preset `{document['preset']}`, {document['date']}, {document['machine']['cores']} cores, "
-        f"{document['machine']['memory_gib']:.0f} GiB, GPU: {document['machine']['gpu'] or 'none'}; command: `{document['command']}`",
+        f"{document['machine']['memory_gib']:.0f} GiB, GPU: {document['machine']['gpu'] or 'none'}; "
+        f"command: `{document['command']}`",
         "",
     ]
     head = [
