@@ -145,8 +145,8 @@ FULL = Setting(
     pool_syncs=("allreduce", "grouped:5", "grouped:1", "partial:2", "partial:4", "gossip:1", "gossip:4"),
     baseline_p=(0.0, 0.1),
     timeout_s=900,
-    # 2026-11-24, Xeon (benchmarks/results/stragglers.json, allreduce-s0): the median over its
-    # evaluations of the seconds per epoch since the previous one, 0.851 s, less the 0.8 s sleep
+    # the epoch's time outside the injected sleep: the median seconds per epoch of allreduce at
+    # no delay on the reference Xeon, less the 0.8 s sleep
     reference_non_delay_s=0.051,
     # 5 epochs of the baseline (0.9 s each) are about 30 of pool partial:2 (0.15 s) and 15 of
     # pool gossip:4 (0.29 s)
