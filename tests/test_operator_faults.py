@@ -1022,6 +1022,20 @@ def test_temporary_directory_is_not_a_planted_symbolic_link(tmp_path):
     load_shard(out, 0, 2, verify=True)
 
 
+def test_streamed_graph_is_not_written_through_a_planted_symbolic_link(tmp_path):
+    from bnsgcn.partition.datasets import Progress
+    from bnsgcn.partition.datasets.csr import write_synthetic_csr
+    from bnsgcn.partition.datasets.synthetic import parse_synthetic_spec
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "graph.tmp").symlink_to(victim, target_is_directory=True)  # the name it once wrote into
+    write_synthetic_csr(parse_synthetic_spec("nodes=200,degree=4"), tmp_path / "graph", Progress("csr", False))
+    assert list(victim.iterdir()) == []
+    assert (tmp_path / "graph").is_dir() and not (tmp_path / "graph").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph", "graph.tmp", "victim"]  # no scratch left
+
+
 def test_failed_array_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

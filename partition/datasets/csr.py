@@ -31,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -194,13 +195,13 @@ def write_synthetic_csr(
 ) -> None:
     """Write the graph of ``config`` to ``directory`` in the ``csr:`` layout, streaming (module docstring).
 
-    Written into ``<directory>.tmp`` and renamed at the end; memory ``O(N + bucket_keys)``,
-    disk about 8 bytes per directed edge of scratch on top of the result.
+    Written into a new temporary directory beside ``directory`` (a unique name: a link or
+    another writer at a fixed name is never followed) and renamed at the end; memory
+    ``O(N + bucket_keys)``, disk about 8 bytes per directed edge of scratch on top of the result.
     """
     directory = Path(directory)
-    tmp = directory.parent / f"{directory.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
         _write_synthetic(config, tmp, progress, bucket_keys)
         os.replace(tmp, directory)
