@@ -25,8 +25,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from bnsgcn.cli import Parser
 from bnsgcn.comm.store import JOB_TOKEN_VARIABLE
 from bnsgcn.config import TrainConfig, check_flags, from_args
+from bnsgcn.config.original import LAUNCH, add_original_flags
 from bnsgcn.device import resolve_device
 from bnsgcn.errors import UserError
 
@@ -93,6 +95,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "20000 + SLURM_JOB_ID %% 20000 inside a SLURM job, else 29500; as one rank of torchrun/srun "
         "an exported MASTER_PORT wins)",
     )
+    add_original_flags(group, LAUNCH)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def training_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` without the launch flags: the command line every rank receives."""
-    launch_only = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    launch_only = Parser(add_help=False)  # it knows --master_addr as --master-addr, as the rank parser would not
     add_launch_arguments(launch_only)
     return launch_only.parse_known_args(list(argv))[1]
 
@@ -121,6 +124,40 @@ def check_launch_flags(args: argparse.Namespace) -> None:
         )
     if args.master_port is not None:
         check_port_number(args.master_port)
+
+
+def partition_set_location(args: argparse.Namespace, search_root: Path) -> Path:
+    """Where the original's flags put the partition set: ``--graph-name NAME`` is the set
+    ``<--part-path or parts>/NAME`` (``args.parts_dir`` is set to it), ``--part-path DIR`` alone
+    the directory searched for the one matching set. Returns the directory searched."""
+    root = search_root if args.part_path is None else args.part_path
+    if args.graph_name is not None:
+        if args.parts_dir is not None:
+            raise UserError(
+                f"--graph-name {args.graph_name} and --parts-dir {args.parts_dir} both name the partition set; pass "
+                "one of them"
+            )
+        args.parts_dir = root / args.graph_name
+    return root
+
+
+def ranks_for_partitions(n_partitions: int, nnodes: int, local: int | None) -> int:
+    """This machine's ranks for the original's ``--n-partitions N``: the job's ranks, one per
+    partition, spread evenly over ``--nnodes``; it must agree with ``--gpus``/``--procs``."""
+    if n_partitions < 1:
+        raise UserError(
+            f"--n-partitions {n_partitions} must be a positive integer (the job's ranks, one per partition)"
+        )
+    if local is not None and local * nnodes != n_partitions:
+        raise UserError(
+            f"--n-partitions {n_partitions} disagrees with {local} ranks on each of {nnodes} machine(s); drop "
+            "--n-partitions or make it --gpus/--procs times --nnodes"
+        )
+    if n_partitions % nnodes:
+        raise UserError(
+            f"--n-partitions {n_partitions} does not split evenly over --nnodes {nnodes}; pass a multiple of {nnodes}"
+        )
+    return n_partitions // nnodes
 
 
 def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
@@ -198,13 +235,20 @@ def prepare_local_ranks(
     """
     check_launch_flags(args)
     check_one_launcher_per_node(os.environ, args.nnodes)
+    search_root = partition_set_location(args, search_root)
     config = from_args(args)
     device = choose_device(args, config)
     local = args.gpus if args.gpus is not None else args.procs
+    if args.n_partitions is not None:
+        local = ranks_for_partitions(args.n_partitions, args.nnodes, local)
     if local is not None and device == "cuda":
-        require_gpus(local, f"--gpus {local}", f"run on CPU with --procs {local} instead")
+        what = f"--gpus {local}" if args.gpus is not None else f"--device cuda with {local} ranks on this machine"
+        require_gpus(local, what, f"run on CPU with --procs {local} instead")
     partition_set = choose_partition_set(
-        config.data.parts_dir, None if local is None or config.sync.work_pool else local * args.nnodes, search_root
+        config.data.parts_dir,
+        None if local is None or config.sync.work_pool else local * args.nnodes,
+        search_root,
+        dataset=args.dataset,
     )
     if config.data.parts_dir is None:
         announce(partition_set, search_root)
@@ -305,10 +349,19 @@ def prepare_rank(
     ``--out``.
     """
     check_launch_flags(args)
+    if args.n_partitions is not None and args.n_partitions != ranks.world_size:
+        raise UserError(
+            f"--n-partitions {args.n_partitions} but this job has {ranks.world_size} ranks ({ranks.source}); drop "
+            "--n-partitions or start as many ranks"
+        )
+    search_root = partition_set_location(args, search_root)
     config = from_args(args)
     device = resolve_device(choose_device(args, config), ranks.local_world_size)
     partition_set = choose_partition_set(
-        config.data.parts_dir, None if config.sync.work_pool else ranks.world_size, search_root
+        config.data.parts_dir,
+        None if config.sync.work_pool else ranks.world_size,
+        search_root,
+        dataset=args.dataset,
     )
     if config.data.parts_dir is None and ranks.rank == 0:
         announce(partition_set, search_root)

@@ -32,7 +32,9 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from bnsgcn.cli import Parser
 from bnsgcn.config import TrainConfig, add_arguments, from_args
+from bnsgcn.config.original import LAUNCH, TRAIN, add_original_flags, aliases_epilog, elsewhere
 from bnsgcn.errors import JobStopped, UserError, is_peer_failure, peer_lost_message
 
 # Exit status of a rank whose collective failed because of another rank (bnsgcn.errors.PeerLost).
@@ -43,10 +45,17 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def training_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    """A parser with every training flag. Abbreviated flags are refused: the launcher
-    removes its own flags from the command line by exact name before passing it on."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    """A parser with every training flag and the original BNS-GCN's names of them
+    (:mod:`bnsgcn.config.original`). Abbreviated flags are refused (:mod:`bnsgcn.cli`): the
+    launcher removes its own flags from the command line by exact name before passing it on."""
+    parser = Parser(
+        prog=prog,
+        description=description,
+        epilog=aliases_epilog(TRAIN, LAUNCH),
+        elsewhere=elsewhere("bnsgcn-train"),
+    )
     add_arguments(parser)
+    add_original_flags(parser, TRAIN)
     return parser
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bnsgcn.cli import Parser
+from bnsgcn.config.original import PARTITION, add_original_flags, aliases_epilog, elsewhere
 from bnsgcn.errors import UserError
 from bnsgcn.metrics.progress import step
 
@@ -55,8 +57,9 @@ DEFAULT_DATASET = "synthetic"
 PARTS_ROOT = Path("parts")
 
 
-def default_out_dir(spec: str, parts: int) -> Path:
-    """``parts/<name>-<K>`` with a file-system-safe ``name`` derived from the dataset spec.
+def default_out_dir(spec: str, parts: int, root: Path = PARTS_ROOT) -> Path:
+    """``<root>/<name>-<K>`` (``root``: ``parts``) with a file-system-safe ``name`` derived from
+    the dataset spec.
 
     A plain name is kept (``reddit`` -> ``parts/reddit-4``). A spec with arguments gets a
     short hash of them, so different synthetic graphs never share a directory
@@ -70,18 +73,20 @@ def default_out_dir(spec: str, parts: int) -> Path:
             pieces.append(Path(argument).stem)
         pieces.append(hashlib.sha256(argument.encode()).hexdigest()[:8])
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(pieces)).strip("-.") or "dataset"
-    return PARTS_ROOT / f"{name}-{parts}"
+    return Path(root) / f"{name}-{parts}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="bnsgcn-partition",
         description="Partition a graph dataset for partition-parallel training (bnsgcn-train).",
+        epilog=aliases_epilog(PARTITION, example="--data_dir"),
+        elsewhere=elsewhere("bnsgcn-partition"),
     )
     parser.add_argument(
         "dataset",
         nargs="?",
-        default=DEFAULT_DATASET,
+        default=None,  # DEFAULT_DATASET, unless the original's --dataset names one (settle)
         help="reddit, ogbn-products, ogbn-arxiv, ogbn-papers100M, yelp, saint:<dir>, cora, citeseer, "
         "pubmed, npz:<path>, csr:<dir> (memory-mapped) or synthetic[:key=value,...] (default: synthetic)",
     )
@@ -139,7 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--force", action="store_true", help="replace an existing partition set at --out")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_original_flags(parser, PARTITION)
     return parser
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments as :func:`run` takes them: the original BNS-GCN's ``--dataset``,
+    ``--part-path`` and ``--graph-name`` (:mod:`bnsgcn.config.original`) resolved into
+    DATASET and ``--out``, and the dataset's default filled in."""
+    settled = argparse.Namespace(**vars(args))
+    option, part_path, graph_name = (settled.__dict__.pop(k) for k in ("dataset_option", "part_path", "graph_name"))
+    if option is not None:
+        if settled.dataset is not None and settled.dataset != option:
+            raise UserError(f"DATASET {settled.dataset} and --dataset {option} disagree; pass the dataset once")
+        settled.dataset = option
+    if settled.dataset is None:
+        settled.dataset = DEFAULT_DATASET
+    if part_path is not None or graph_name is not None:
+        if settled.out is not None:
+            raise UserError(
+                f"--out {settled.out} and --part-path/--graph-name both name the set's directory; pass one of them"
+            )
+        root = PARTS_ROOT if part_path is None else part_path
+        settled.out = root / graph_name if graph_name else default_out_dir(settled.dataset, settled.parts, root)
+    return settled
 
 
 SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -183,6 +211,7 @@ def phase(desc: str, need: int | None, memory_limit: int | None) -> Iterator[Non
 
 
 def run(args: argparse.Namespace) -> int:
+    args = settle(args)
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment) | {"node_order": args.node_order}

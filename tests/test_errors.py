@@ -104,6 +104,20 @@ def expect_partition_error(tmp_path: Path, parts: Path, args: list[str], *keywor
     return outcome
 
 
+def test_partition_unknown_or_abbreviated_flag(tmp_path, parts):
+    outcome = expect_partition_error(
+        tmp_path, parts, ["--part", "4", "--meth", "random", "cora"], "unknown flag --part; did you mean --parts?"
+    )
+    assert outcome.stderr.strip() == outcome.last_line
+    expect_partition_error(
+        tmp_path,
+        parts,
+        ["cora", "--sampling-rate", "0.1"],
+        "unknown flag --sampling-rate for bnsgcn-partition",
+        "it is a flag of bnsgcn-train: pass it there (as --p)",
+    )
+
+
 def test_partition_unknown_dataset(tmp_path, parts):
     outcome = expect_partition_error(
         tmp_path, parts, ["no-such-dataset"], "unknown dataset 'no-such-dataset'", "choose one of", "cora"
@@ -178,6 +192,8 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         (["--timeout", "inf"], ["--timeout inf is not a finite number"]),
         (["--bucket-mb=-inf"], ["--bucket-mb -inf is not a finite number"]),
         (["--seed", str(2**64)], [f"--seed {2**64} does not fit in 64 bits"]),
+        (["--epoch", "2"], ["unknown flag --epoch; did you mean --epochs?"]),
+        (["--backend", "nccl"], ["--backend nccl:", "--gpus N (NCCL) or --procs N (gloo)"]),
     ],
     ids=[
         "unknown-model",
@@ -191,6 +207,8 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         "timeout-inf",
         "bucket-minus-inf",
         "seed-too-big",
+        "abbreviated-flag",
+        "original-backend",
     ],
 )
 def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):

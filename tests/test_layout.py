@@ -5,7 +5,7 @@ offline step, ``launch/`` the launcher), installed as ``bnsgcn``, ``bnsgcn.parti
 ``bnsgcn.launch``. The engine never imports the other two. Inside the engine, each stage of
 an epoch is a sub-package, and a stage imports only the stages before it in the flow
 (data -> comm -> exchange -> nn -> sync -> run) and the foundations every stage uses
-(errors, device, config, kernels, metrics), which import no stage. The tests share their
+(errors, device, files, cli, config, kernels, metrics), which import no stage. The tests share their
 helpers through ``tests/helpers/``: no test file imports another.
 """
 
@@ -22,8 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "bnsgcn"
 FORBIDDEN = ("partition", "launch")
-FOUNDATIONS = {"errors": set(), "device": set(), "files": {"errors"}, "config": {"errors", "device"}}
-FOUNDATIONS |= {"kernels": {"errors"}, "metrics": {"errors", "files"}}
+FOUNDATIONS = {"errors": set(), "device": set(), "files": {"errors"}, "cli": set()}
+FOUNDATIONS |= {"config": {"errors", "device", "cli"}, "kernels": {"errors"}, "metrics": {"errors", "files", "cli"}}
 STAGES = ("data", "comm", "exchange", "nn", "sync", "run")  # the order data flows in an epoch
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -425,3 +426,92 @@ def test_other_time_is_each_epochs_remainder_then_its_median():
     older = dict(medians)
     del older["time_other"]
     assert report.time_split(older)["other"] == pytest.approx(medians["epoch_time"] - 1 - 1)
+
+
+# --- comparisons: scores, wall time and time to a target, from metrics.jsonl ---------------------
+
+
+def _epoch_line(epoch: int, elapsed: float | None, val: float | None = None, test: float | None = None) -> dict:
+    """One epoch's record as metrics.jsonl holds it (the figures the report reads)."""
+    time = {"epoch": 1.0} | ({} if elapsed is None else {"elapsed": elapsed})
+    scores = {} if val is None else {"train_score": 1.0, "val_score": val, "test_score": test}
+    return {"epoch": epoch, "loss": 1.0, "time": time} | scores
+
+
+def _saved_run(directory, p: float, lines: list[dict] | None):
+    """A run directory: report.json of :func:`_hand_report`, and metrics.jsonl of ``lines``."""
+    directory.mkdir()
+    report.write(directory, _hand_report(p), figures=False)
+    if lines is not None:
+        (directory / report.METRICS_NAME).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return directory
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[2:])}
+
+
+def _two_runs(tmp_path):
+    slow = [_epoch_line(e, float(e), *({2: (0.5, 0.45), 4: (0.8, 0.75)}.get(e, (None, None)))) for e in range(1, 5)]
+    slow.append({"summary": True, "best_val_score": 0.8, "best_epoch": 4, "test_score": 0.75})
+    fast = [_epoch_line(e, e / 2, *({2: (0.85, 0.83), 4: (0.9, 0.88)}.get(e, (None, None)))) for e in range(1, 5)]
+    fast.append({"summary": True, "best_val_score": 0.9, "best_epoch": 4, "test_score": 0.88})
+    return _saved_run(tmp_path / "full", 1.0, slow), _saved_run(tmp_path / "sampled", 0.1, fast)
+
+
+def test_compare_shows_scores_wall_time_and_time_to_a_target(tmp_path, capsys):
+    full, sampled = _two_runs(tmp_path)
+    capsys.readouterr()
+    assert report.main([str(full), str(sampled), "--target-accuracy", "0.8"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["best val score"] == ["0.8000 at epoch 4", "0.9000 at epoch 4"]
+    assert rows["test score at best val"] == ["0.7500", "0.8800"]
+    assert rows["time to val >= 0.8 (s)"] == ["4.000 at epoch 4", "1.000 at epoch 2 (-75%)"]
+    assert rows["training wall time (s)"] == ["4.000", "2.000 (-50%)"]
+    assert rows["peak memory (MiB)"] == ["3.0", "3.0 (+0%)"]  # the figures stay
+
+
+def test_a_target_not_reached_says_so(tmp_path, capsys):
+    full, sampled = _two_runs(tmp_path)
+    capsys.readouterr()
+    assert report.main([str(full), str(sampled), "--target-accuracy", "0.85"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out)["time to val >= 0.85 (s)"] == ["not reached", "1.000 at epoch 2"]
+    assert "not reached: no evaluated epoch got there" in out
+    assert report.main([str(sampled), "--target-accuracy", "0.95"]) == 0  # one run: the lines under its table
+    out = capsys.readouterr().out
+    assert "time to val >= 0.95: not reached" in out and "best val score 0.9000 at epoch 4, test 0.8800" in out
+
+
+def test_compare_without_a_target_or_metrics_shows_what_is_known(tmp_path, capsys):
+    full, _ = _two_runs(tmp_path)
+    bare = _saved_run(tmp_path / "bare", 0.5, None)
+    capsys.readouterr()
+    assert report.main([str(full), str(bare)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert not any(label.startswith("time to val") for label in rows)
+    assert rows["best val score"] == ["0.8000 at epoch 4", "-"]
+    assert rows["training wall time (s)"] == ["4.000", "-"]
+
+
+def test_outcome_of_a_resumed_unfinished_run_adds_up_its_parts(tmp_path):
+    # epochs 1-3, then a resumed process whose clock starts again at epoch 4; no summary line
+    lines = [_epoch_line(1, 1.0), _epoch_line(2, 2.0, 0.6, 0.5), _epoch_line(3, 3.0)]
+    lines += [_epoch_line(4, 1.5, 0.7, 0.65), _epoch_line(5, 2.5, 0.7, 0.6)]
+    outcome = report.load_outcome(_saved_run(tmp_path / "resumed", 1.0, lines))
+    assert outcome["wall_s"] == 5.5
+    assert (outcome["best_val_score"], outcome["best_epoch"], outcome["test_score"]) == (0.7, 4, 0.65)
+    assert report.time_to(outcome, 0.7) == (4, 4.5)
+    assert report.time_to(outcome, 0.71) is None
+    older = report.load_outcome(_saved_run(tmp_path / "older", 1.0, [_epoch_line(e, None) for e in (1, 2, 3)]))
+    assert older["wall_s"] == 3.0 and older["best_val_score"] is None  # no elapsed: the epochs' times add up
+
+
+def test_a_damaged_metrics_file_is_one_line(tmp_path, capsys):
+    run = _saved_run(tmp_path / "run", 1.0, [_epoch_line(1, 1.0)])
+    with (run / report.METRICS_NAME).open("a") as f:
+        f.write("{not json\n")
+    capsys.readouterr()
+    assert report.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run / report.METRICS_NAME}:2 is not a bnsgcn metrics record" in err

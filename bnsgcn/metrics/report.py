@@ -7,8 +7,9 @@ max / mean / min, the imbalance ratio (max / mean) and the straggler (the rank h
 max). Where matplotlib is installed, :func:`write_figures` draws per-rank memory bars,
 boundary/inner ratios and the time split as PNGs next to ``report.json``.
 
-``bnsgcn-report RUN_DIR [RUN_DIR ...] [--figures]`` re-renders saved runs and compares them
-with the first, in percent.
+``bnsgcn-report RUN_DIR [RUN_DIR ...] [--figures] [--target-accuracy T]`` re-renders saved runs
+and compares them with the first, in percent, with what each reached (:func:`load_outcome`:
+best validation and test scores, training wall time, time to a validation score).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bnsgcn.cli import Parser
 from bnsgcn.errors import UserError
 from bnsgcn.files import atomic, write_bytes
 from bnsgcn.metrics.memory import HOLDERS
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 REPORT_NAME = "report.json"
+METRICS_NAME = "metrics.jsonl"
 FIGURES = ("memory.png", "boundary.png", "time.png")  # what write_figures draws
 PLOTS_HINT = "figures need matplotlib: pip install bnsgcn[plots]"
 MiB = 2**20
@@ -275,8 +279,12 @@ def _steady_note(info: dict) -> str:
     )
 
 
-def compare(reports: list[tuple[str, dict]]) -> str:
-    """Each run's setting and, per figure, its max over ranks with the change against the first run.
+def compare(
+    reports: list[tuple[str, dict]], outcomes: list[dict | None] | None = None, target: float | None = None
+) -> str:
+    """Each run's setting and what it reached (``outcomes``, :func:`load_outcome`, one per run,
+    None where unknown), then, per figure, its max over ranks, each with the change against the
+    first run. ``target``: add the time to that validation score.
 
     A negative change is a saving: ``(-42%)`` means 42% less than the first run.
     """
@@ -287,6 +295,8 @@ def compare(reports: list[tuple[str, dict]]) -> str:
     settings.append(("ranks", lambda info: info.get("world_size", "?")))
     for label, get in settings:
         rows.append([label] + [str(get(rep["info"])) for _, rep in reports])
+    if outcomes is not None:
+        rows += outcome_rows(outcomes, target)
     base = reports[0][1]["summary"]
     for key in BALANCE:
         if not all(rep["summary"].get(key) is not None for _, rep in reports):
@@ -295,10 +305,110 @@ def compare(reports: list[tuple[str, dict]]) -> str:
         cells = [_label(key)]
         for i, (_, rep) in enumerate(reports):
             value = rep["summary"][key]["max"]
-            change = f" ({round((value - first) / first * 100):+d}%)" if i and first else ""
-            cells.append(_fmt(value, unit) + change)
+            cells.append(_fmt(value, unit) + (_change(value, first) if i else ""))
         rows.append(cells)
-    return _layout(rows)
+    return _layout(rows) + (_target_note(target) if outcomes is not None and target is not None else "")
+
+
+def _change(value: float, first: float) -> str:
+    return f" ({round((value - first) / first * 100):+d}%)" if first else ""
+
+
+def outcome_rows(outcomes: list[dict | None], target: float | None) -> list[list[str]]:
+    """The comparison's rows of what each run reached: its best validation score and epoch, the
+    test score of that epoch, the time to ``target`` (when given) and the training wall time
+    (times with their change against the first run); ``-`` where a run has no record."""
+
+    def score(o: dict | None, key: str) -> str:
+        if o is None or o[key] is None:
+            return "-"
+        return f"{o[key]:.4f}" + (f" at epoch {o['best_epoch']}" if key == "best_val_score" else "")
+
+    def seconds(value: float | None, first: float | None, i: int) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.3f}" + (_change(value, first) if i and first is not None else "")
+
+    rows = [
+        ["best val score"] + [score(o, "best_val_score") for o in outcomes],
+        ["test score at best val"] + [score(o, "test_score") for o in outcomes],
+    ]
+    if target is not None:
+        reached = [None if o is None else time_to(o, target) for o in outcomes]
+        first = reached[0][1] if reached[0] else None
+        cells = []
+        for i, (o, r) in enumerate(zip(outcomes, reached)):
+            if r is not None:
+                cells.append(f"{r[1]:.3f} at epoch {r[0]}" + (_change(r[1], first) if i and first is not None else ""))
+            else:
+                cells.append("-" if o is None else "not reached")
+        rows.append([f"time to val >= {target:g} (s)"] + cells)
+    walls = [None if o is None else o["wall_s"] for o in outcomes]
+    rows.append(["training wall time (s)"] + [seconds(w, walls[0], i) for i, w in enumerate(walls)])
+    return rows
+
+
+def _target_note(target: float) -> str:
+    return (
+        f"\ntime to val >= {target:g}: wall seconds from the first epoch's start to the end of the first epoch "
+        "evaluated at or above it; not reached: no evaluated epoch got there"
+    )
+
+
+def time_to(outcome: dict, target: float) -> tuple[int, float] | None:
+    """(epoch, wall seconds) of the first evaluated epoch whose validation score reached
+    ``target``; None when none did."""
+    return next(((e, t) for e, score, t in outcome["evaluated"] if score >= target), None)
+
+
+def load_outcome(run_dir: Path) -> dict | None:
+    """What a run reached, from its ``metrics.jsonl`` (None without one): ``best_val_score``,
+    ``best_epoch`` and ``test_score`` (of the summary line, else of the best evaluated epoch),
+    ``wall_s`` (training wall time: from the first epoch's start to the last epoch's end,
+    evaluations included; a resumed run's parts added up) and ``evaluated``: (epoch,
+    validation score, wall seconds so far) per evaluated epoch."""
+    path = Path(run_dir) / METRICS_NAME
+    if not path.is_file():
+        return None
+    evaluated: list[tuple[int, float, float]] = []
+    tests: dict[int, float | None] = {}
+    summary = None
+    wall: float | None = None
+    offset = previous = 0.0
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if record.get("summary"):
+                summary = record
+                continue
+            times = record.get("time", {})
+            if "elapsed" in times:
+                elapsed = float(times["elapsed"])
+                if elapsed < previous:  # a resumed run: its clock starts again
+                    offset += previous
+                previous, wall = elapsed, offset + elapsed
+            else:  # records of older releases: the epochs' times add up
+                wall = (wall or 0.0) + float(times.get("epoch", 0.0))
+            if record.get("val_score") is not None:
+                evaluated.append((int(record["epoch"]), float(record["val_score"]), wall))
+                tests[int(record["epoch"])] = record.get("test_score")
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise UserError(f"{path}:{number} is not a bnsgcn metrics record ({exc}); re-run the training") from None
+    best_val = best_epoch = test = None
+    if summary is not None and summary.get("best_epoch", -1) >= 1:
+        best_val, best_epoch, test = summary["best_val_score"], summary["best_epoch"], summary.get("test_score")
+    elif evaluated:
+        best_epoch, best_val, _ = max(evaluated, key=lambda e: e[1])  # the first of equals, as training keeps it
+        test = tests[best_epoch]
+    return {
+        "best_val_score": best_val,
+        "best_epoch": best_epoch,
+        "test_score": test,
+        "wall_s": wall,
+        "evaluated": evaluated,
+    }
 
 
 @functools.cache
@@ -407,22 +517,85 @@ def load(run_dir: Path) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``bnsgcn-report RUN_DIR [RUN_DIR ...]``: re-render one run, or compare several with the first."""
-    parser = argparse.ArgumentParser(prog="bnsgcn-report", description=main.__doc__)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories written by bnsgcn-train")
+DESCRIPTION = (
+    "Show where memory, time and bytes go on every rank of a run written by bnsgcn-train. With several runs, "
+    "compare them with the first: model, p and ranks, best validation score and the test score of that epoch, "
+    "training wall time, time to --target-accuracy, and each figure's maximum over ranks with its change in percent."
+)
+
+
+def target_accuracy(text: str) -> float:
+    """``--target-accuracy``: a validation score, in (0, 1] as metrics.jsonl records it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a validation score in (0, 1]; pass a fraction, e.g. --target-accuracy 0.95 for 95%"
+        )
+    return value
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="bnsgcn-report",
+        description=DESCRIPTION,
+        epilog="Every flag may also be written with underscores (--target_accuracy). See docs/cli.md.",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories written by bnsgcn-train")
     parser.add_argument(
         "--figures",
         action="store_true",
         help="also draw memory.png, boundary.png and time.png into each run directory (needs matplotlib)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--target-accuracy",
+        type=target_accuracy,
+        metavar="T",
+        help="also show the wall time until the validation score first reached T (a fraction, e.g. 0.95), from each "
+        "run's metrics.jsonl; 'not reached' when no evaluation got there",
+    )
+    return parser
+
+
+def _summary_lines(outcome: dict, target: float | None) -> str:
+    """A run's outcome under its table (one run shown)."""
+    lines = []
+    if outcome["best_val_score"] is not None:
+        test = "-" if outcome["test_score"] is None else f"{outcome['test_score']:.4f}"
+        lines.append(f"best val score {outcome['best_val_score']:.4f} at epoch {outcome['best_epoch']}, test {test}")
+    if outcome["wall_s"] is not None:
+        lines.append(f"training wall time {outcome['wall_s']:.3f} s")
+    if target is not None:
+        reached = time_to(outcome, target)
+        lines.append(
+            f"time to val >= {target:g}: "
+            + (
+                "not reached (no evaluated epoch got there)"
+                if reached is None
+                else f"{reached[1]:.3f} s (epoch {reached[0]})"
+            )
+        )
+    return "".join("\n" + line for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``bnsgcn-report RUN_DIR [RUN_DIR ...]``: re-render one run, or compare several with the first."""
+    args = build_parser().parse_args(argv)
     try:
         reports = [(str(r), load(r)) for r in args.runs]
+        outcomes = [load_outcome(r) for r in args.runs]
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(render_table(reports[0][1]) if len(reports) == 1 else compare(reports))
+    if len(reports) == 1:
+        print(
+            render_table(reports[0][1])
+            + ("" if outcomes[0] is None else _summary_lines(outcomes[0], args.target_accuracy))
+        )
+    else:
+        print(compare(reports, outcomes, args.target_accuracy))
     if args.figures:
         for run, (_, report) in zip(args.runs, reports):
             try:
