@@ -272,10 +272,10 @@ def test_no_hidden_device_syncs_in_the_epoch_loop(tmp_path, monkeypatch):
         TrainConfig.from_settings(**base, model="graphsage", p=0.5, exchange="hierarchical", out=tmp_path / "sage"),
         TrainConfig.from_settings(
             **base, model="gat", p=0.5, exchange="direct", dropout=0.3, compress="int8", out=tmp_path / "gat"
-        ),
+        ).replace(optimizer="sgd", momentum=0.9, lr_schedule="cosine", warmup_epochs=1, grad_clip=0.5),
         TrainConfig.from_settings(
             **base, model="gcn", p=0.5, staleness=1, exchange="hierarchical", inductive=True, out=tmp_path / "stale"
-        ),
+        ).replace(optimizer="adamw", weight_decay=0.01, lr_schedule="plateau", plateau_patience=1, grad_clip=0.5),
         TrainConfig.from_settings(**base, model="graphsage", p=1.0, norm="batch", out=tmp_path / "full"),
         TrainConfig.from_settings(
             **(base | dict(layers=3)),

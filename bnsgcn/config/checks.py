@@ -15,11 +15,14 @@ from types import SimpleNamespace
 
 from bnsgcn.config.sections import (
     EXCHANGES,
+    LR_SCHEDULES,
     MODELS,
     NONZERO_ROWS,
     NORMS,
+    OPTIMIZERS,
     SETTINGS,
     WIRE_FORMATS,
+    OptimConfig,
     TrainConfig,
     flag_name,
 )
@@ -63,6 +66,8 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"--lr {c.lr} must be positive")
     if c.weight_decay < 0:
         raise UserError(f"--weight-decay {c.weight_decay} must be 0 or positive")
+    _check_optimizer(c)
+    _check_schedule(config)
     if c.timeout <= 0:
         raise UserError(f"--timeout {c.timeout} must be positive (seconds)")
     if c.bucket_mb <= 0:
@@ -104,6 +109,75 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"--threads {c.threads} must be a positive integer")
     if config.model.use_precompute and c.model == "gat":
         raise UserError("--precompute is not exact for gat (attention depends on the weights); drop --precompute")
+
+
+def _check_optimizer(c: SimpleNamespace) -> None:
+    """``--optimizer`` and what only SGD takes, in one line each."""
+    if c.optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {c.optimizer!r}; choose --optimizer from {', '.join(OPTIMIZERS)}")
+    if not 0.0 <= c.momentum < 1.0:
+        raise UserError(f"--momentum {c.momentum} is outside [0, 1); pass e.g. --momentum 0.9")
+    for flag, given in (("--momentum", c.momentum != 0.0), ("--nesterov", c.nesterov)):
+        if given and c.optimizer != "sgd":
+            raise UserError(
+                f"{flag} is for --optimizer sgd, but the optimizer is {c.optimizer} (which keeps moments of its own); "
+                f"add --optimizer sgd or drop {flag}"
+            )
+    if c.nesterov and c.momentum == 0.0:
+        raise UserError("--nesterov needs momentum, but --momentum is 0; pass e.g. --momentum 0.9")
+    if c.grad_clip is not None and c.grad_clip <= 0:
+        raise UserError(f"--grad-clip {c.grad_clip} must be a positive gradient norm; pass e.g. --grad-clip 1.0")
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """``--lr-schedule``, its warm-up and the parameters of each schedule, in one line each.
+    A schedule's parameter given to another schedule is refused (it would do nothing)."""
+    o, epochs = config.optim, config.run.epochs
+    if o.lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"unknown --lr-schedule {o.lr_schedule!r}; choose from {', '.join(LR_SCHEDULES)}")
+    if o.warmup_epochs < 0:
+        raise UserError(f"--warmup-epochs {o.warmup_epochs} must be 0 or a positive integer")
+    defaults = OptimConfig()
+    for flag, schedule, given in (
+        ("--cosine-epochs", "cosine", o.cosine_epochs is not None),
+        ("--lr-step-epochs", "step", o.lr_step_epochs != defaults.lr_step_epochs),
+        ("--lr-gamma", "step", o.lr_gamma != defaults.lr_gamma),
+        ("--plateau-patience", "plateau", o.plateau_patience != defaults.plateau_patience),
+        ("--plateau-factor", "plateau", o.plateau_factor != defaults.plateau_factor),
+    ):
+        if given and o.lr_schedule != schedule:
+            raise UserError(
+                f"{flag} sets the {schedule} schedule, but --lr-schedule is {o.lr_schedule}; add --lr-schedule "
+                f"{schedule} or drop {flag}"
+            )
+    if o.lr_schedule == "cosine":
+        length = o.cosine_length(epochs)
+        if o.cosine_epochs is not None and o.cosine_epochs < 1:
+            raise UserError(f"--cosine-epochs {o.cosine_epochs} must be a positive integer")
+        if length < epochs - o.warmup_epochs:
+            raise UserError(
+                f"--cosine-epochs {length} ends the decay before the last epoch (--epochs {epochs} less "
+                f"--warmup-epochs {o.warmup_epochs}), leaving a learning rate of 0; pass --cosine-epochs "
+                f"{epochs - o.warmup_epochs} or more"
+            )
+        if length < 1:
+            raise UserError(
+                f"--warmup-epochs {o.warmup_epochs} leaves no epoch of --epochs {epochs} for the cosine; pass fewer "
+                "warm-up epochs or --cosine-epochs N"
+            )
+    if o.lr_step_epochs < 1:
+        raise UserError(f"--lr-step-epochs {o.lr_step_epochs} must be a positive integer")
+    if not 0.0 < o.lr_gamma <= 1.0:
+        raise UserError(f"--lr-gamma {o.lr_gamma} is outside (0, 1]; pass e.g. --lr-gamma 0.1")
+    if o.plateau_patience < 1:
+        raise UserError(f"--plateau-patience {o.plateau_patience} must be a positive number of evaluations")
+    if not 0.0 < o.plateau_factor < 1.0:
+        raise UserError(f"--plateau-factor {o.plateau_factor} is outside (0, 1); pass e.g. --plateau-factor 0.5")
+    if o.lr_schedule == "plateau" and config.evaluation.every == 0:
+        raise UserError(
+            "--lr-schedule plateau acts on the validation score of each evaluation, but --eval-every is 0 (only after "
+            "the last epoch); pass --eval-every N"
+        )
 
 
 def _check_max_lag(c: SimpleNamespace) -> None:

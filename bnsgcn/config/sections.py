@@ -24,6 +24,8 @@ WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.comm.wire
 EXCHANGES = ("direct", "hierarchical", "auto")
 NONZERO_ROWS = ("auto", "on", "off")
 NORMS = ("layer", "batch", "none")
+OPTIMIZERS = ("adam", "adamw", "sgd")  # what bnsgcn.nn.optim builds
+LR_SCHEDULES = ("none", "cosine", "step", "plateau")
 
 
 def setting(default, help: str, *, flag: str | None = None, **argparse_options):
@@ -76,10 +78,44 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer."""
+    """The optimizer, its learning-rate schedule and gradient clipping."""
 
-    lr: float = setting(0.01, "Adam learning rate")
-    weight_decay: float = setting(0.0, "Adam weight decay")
+    name: str = setting("adam", "adam | adamw | sgd", flag="--optimizer")
+    lr: float = setting(0.01, "learning rate (with a schedule: its peak)")
+    weight_decay: float = setting(
+        0.0, "weight decay: added to the gradient as L2 (adam, sgd), or decoupled from it (adamw)"
+    )
+    momentum: float = setting(0.0, "sgd: momentum, 0 <= M < 1")
+    nesterov: bool = setting(False, "sgd: Nesterov momentum (needs --momentum above 0)")
+    grad_clip: float | None = setting(
+        None,
+        "scale the gradient down to this L2 norm over every parameter where it is larger (after the all-reduce)",
+        type=float,
+        metavar="NORM",
+        shown="off",
+    )
+    lr_schedule: str = setting(
+        "none",
+        "none | cosine | step | plateau: the learning rate per epoch after the warm-up; cosine falls to 0 over "
+        "--cosine-epochs, step multiplies it by --lr-gamma every --lr-step-epochs, plateau by --plateau-factor after "
+        "--plateau-patience evaluations without a better validation score",
+    )
+    warmup_epochs: int = setting(0, "raise the learning rate linearly to --lr over the first N epochs")
+    cosine_epochs: int | None = setting(
+        None,
+        "cosine: the epochs after the warm-up over which the rate falls to 0",
+        type=int,
+        metavar="N",
+        shown="--epochs less --warmup-epochs",
+    )
+    lr_step_epochs: int = setting(50, "step: epochs between two multiplications by --lr-gamma")
+    lr_gamma: float = setting(0.1, "step: the factor, 0 < G <= 1")
+    plateau_patience: int = setting(3, "plateau: evaluations without a better validation score before a cut")
+    plateau_factor: float = setting(0.1, "plateau: the factor of a cut, 0 < F < 1")
+
+    def cosine_length(self, epochs: int) -> int:
+        """The epochs the cosine falls over (``--cosine-epochs``, else the run after the warm-up)."""
+        return self.cosine_epochs if self.cosine_epochs is not None else epochs - self.warmup_epochs
 
 
 @dataclass(frozen=True)
@@ -270,13 +306,14 @@ class TrainConfig:
     def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
         directory, device type, threads and the gradients' wire format (what config.json
-        records; the run resolves ``exchange`` itself)."""
+        records; the run resolves ``exchange`` itself) and, with the cosine schedule, its length."""
         return self.replace(
             precompute=self.model.use_precompute,
             out=run_dir,
             device=device,
             threads=threads,
             compress_grad=self.exchange.grad_wire_format,
+            cosine_epochs=(self.optim.cosine_length(self.run.epochs) if self.optim.lr_schedule == "cosine" else None),
         )
 
     def to_json(self) -> dict:

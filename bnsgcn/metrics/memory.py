@@ -67,7 +67,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    """Every tensor an optimizer keeps per parameter (Adam: step, exp_avg, exp_avg_sq)."""
+    """Every tensor an optimizer keeps per parameter (Adam: step, exp_avg, exp_avg_sq; SGD: momentum_buffer)."""
     import torch  # loaded already: an optimizer exists
 
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -1,8 +1,9 @@
 """Checkpoints: atomic, verifiable, last K kept, loaded with ``torch.load(weights_only=True)``.
 
-Sampling and dropout are seeded from (seed, rank, epoch), so model, optimizer, epoch and
-the best-validation record are all the state a resumed run needs to continue exactly,
-except with ``--staleness 1``: then each rank also saves its stale boundary rows and
+Sampling and dropout are seeded from (seed, rank, epoch), so model, optimizer, the
+optimisation's settings and schedule state (:meth:`bnsgcn.nn.optim.Optimization.state_dict`),
+epoch and the best-validation record are all the state a resumed run needs to continue
+exactly, except with ``--staleness 1``: then each rank also saves its stale boundary rows and
 gradients (:meth:`bnsgcn.exchange.stale.StaleExchange.state_dict`; with ``--max-lag`` those of the
 checkpoint's epoch, which every rank waits for, :meth:`bnsgcn.exchange.bounded_lag.LagExchange.state_dict`)
 in a part of its own, ``checkpoint-<epoch>.rank-<r>.pt``, written before rank 0 writes the

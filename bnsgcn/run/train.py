@@ -65,7 +65,7 @@ from bnsgcn.metrics.progress import Progress, step
 from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import GNN
-from bnsgcn.nn.optim import Adam
+from bnsgcn.nn.optim import Optimization, make_optimization
 from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.provenance import launch_info, run_name_suffix
@@ -248,7 +248,7 @@ class Job:
     run_dir: Path
     log: logging.Logger
     model: GNN
-    optimizer: Adam
+    optimization: Optimization  # --optimizer, --lr-schedule, --grad-clip (bnsgcn.nn.optim)
     sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.sync.averaging)
     delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
     exchange: Exchange  # training's boundary exchange, as the configuration asks (bnsgcn.exchange)
@@ -292,6 +292,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         # evaluations, checkpoints and the end, where parameters are averaged first
         scheduled = config.evaluation.due(epoch + 1, config.run.epochs) or config.checkpoint.due(epoch + 1)
         sync_point = job.sync.is_sync_point(scheduled)
+        job.optimization.start_epoch(epoch)  # the epoch's learning rate
         with account.timed("epoch"):  # device time on CUDA (bnsgcn.metrics.timing)
             with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
                 if job.pool is not None:
@@ -308,13 +309,17 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
                         job.buffers.clear()
                     scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
                 best.update(epoch + 1, scores, job.model)
+                if config.evaluation.every and (epoch + 1) % config.evaluation.every == 0:
+                    # not the evaluation a run adds after its last epoch: an uninterrupted run has none there
+                    job.optimization.evaluated(epoch + 1, scores["val_score"])
         account.values["elapsed"] = time.perf_counter() - started
         account.take_comm(comm)
         for done, table in gathered.collect(epoch + 1, account, sync_point):
             _refuse_non_finite(done, table)
             tables.append(table)
             last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
-            _write_epoch(job, metrics, done, last_loss, table, scores if done == epoch + 1 else None)
+            lr = job.optimization.lrs.pop(done)
+            _write_epoch(job, metrics, done, last_loss, lr, table, scores if done == epoch + 1 else None)
         _checkpoint(job, epoch + 1, best)
         progress.update()
         if stop is not None and sync_point and (signum := stop.agreed(comm)):
@@ -434,7 +439,8 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     )
     torch.manual_seed(config.run.seed)  # identical initial parameters on every rank
     model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
-    optimizer = Adam(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    optimization = make_optimization(config.optim, model.parameters(), config.run.epochs)
+    optimizer = optimization.optimizer  # what a decoupled --sync averages besides the parameters
     # training's strategy over the training graph (collective to build with --max-lag)
     exchange = make_exchange(config, comm, train_inputs.topology, train_inputs.planner, log)
     return Job(
@@ -448,7 +454,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         run_dir=run_dir,
         log=log,
         model=model,
-        optimizer=optimizer,
+        optimization=optimization,
         sync=(
             make_pool_sync(
                 parse_sync(config.sync.mode),
@@ -496,23 +502,28 @@ def _resume(job: Job) -> tuple[int, Best]:
     if state is None:
         job.log.info("no checkpoint in %s: starting from epoch 0", checkpoint.checkpoint_dir(job.run_dir))
         return 0, Best()
-    error = None
+    error = changed = None
+    path = checkpoint.checkpoint_path(job.run_dir, state["epoch"])
     try:  # a checkpoint edited since, or one of a model whose shapes its signature does not capture
         job.model.load_state_dict(state["model"])
-        job.optimizer.load_state_dict(state["optimizer"])
+        changed = job.optimization.resume(state)
+    except UserError as exc:
+        error = f"rank {job.comm.rank}: {path} {exc}"
     except (RuntimeError, ValueError, KeyError) as exc:
         lines = str(exc).strip().splitlines()
         # torch's first line says only "Error(s) in loading state_dict for GNN:"; the next names a tensor
         detail = (lines[1] if len(lines) > 1 else lines[0]).strip().rstrip(".")
         error = (
-            f"rank {job.comm.rank}: {checkpoint.checkpoint_path(job.run_dir, state['epoch'])} does not fit this model "
-            f"({detail}); resume with the partition set and flags it was written with, or pass a new --out"
+            f"rank {job.comm.rank}: {path} does not fit this model ({detail}); resume with the partition set and "
+            "flags it was written with, or pass a new --out"
         )
     errors = [e for e in job.comm.all_gather_object(error) if e]
     if errors:
         raise UserError(errors[0])
     if part is not None:
         job.exchange.load_state_dict(part)
+    if changed:
+        job.log.info("optimizer flags changed since the checkpoint: %s", changed)
     job.log.info("resumed from epoch %d", state["epoch"])
     return state["epoch"], Best(**state["best"])
 
@@ -555,7 +566,7 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
         logits = job.model(inputs.features, g, inputs.x_agg)
         account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
         loss_sum = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
-    job.optimizer.zero_grad(set_to_none=False)
+    job.optimization.optimizer.zero_grad(set_to_none=False)
     with account.timed("backward"):
         (loss_sum / job.global_train).backward()
     with account.timed("reduction"):
@@ -564,7 +575,7 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
         with account.timed("sync"):
             job.sync.before_step(epoch)
     grad_norm = _grad_norm(job.model)
-    job.optimizer.step()
+    job.optimization.step(grad_norm)  # clipped by this norm first, with --grad-clip
     # the loss and the gradient norm stay on the device: EpochAccount.gather reads them once,
     # at the epoch's end
     account.values.update(loss_sum=loss_sum.detach(), grad_norm=grad_norm, sampled_boundary=plan.num_received, steps=1)
@@ -585,7 +596,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             taken = pool.take(epoch)
         if taken is None and not sync.lockstep:
             break
-        job.optimizer.zero_grad(set_to_none=False)
+        job.optimization.optimizer.zero_grad(set_to_none=False)
         num_train = 0
         if taken is not None:
             if job.delay:  # a slow machine, emulated: slower at every piece of work
@@ -608,8 +619,9 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
         with account.timed("reduction"):
             step, more = sync.finish_round(num_train, taken is not None) if sync.lockstep else (num_train > 0, True)
         if step:
-            grad_norm = grad_norm + _grad_norm(model)
-            job.optimizer.step()
+            norm = _grad_norm(model)
+            grad_norm = grad_norm + norm
+            job.optimization.step(norm)
         with account.timed("sync"):
             sync.after_pool_step(epoch)
         if not more:
@@ -642,12 +654,18 @@ def _refuse_non_finite(epoch: int, table: Tensor) -> None:
 
 
 def _write_epoch(
-    job: Job, metrics: MetricsWriter | None, epoch: int, loss: float, table: Tensor, scores: dict[str, float] | None
+    job: Job,
+    metrics: MetricsWriter | None,
+    epoch: int,
+    loss: float,
+    lr: float,
+    table: Tensor,
+    scores: dict[str, float] | None,
 ) -> None:
     """Rank 0: the epoch's JSON line, and a log line when it was evaluated."""
     if metrics is None:
         return
-    record = _epoch_record(epoch, loss, table)
+    record = _epoch_record(epoch, loss, table) | {"lr": lr}
     metrics.write(record | (scores or {}))
     if scores is not None:
         job.log.info(
@@ -694,7 +712,8 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
     if comm.rank == 0:
         state = {
             "model": job.model.state_dict(),
-            "optimizer": job.optimizer.state_dict(),
+            "optimizer": job.optimization.optimizer.state_dict(),
+            "optimization": job.optimization.state_dict(),  # the settings and the schedule's state
             "best": dict(vars(best)),
             "signature": job.signature,
         }
@@ -732,7 +751,7 @@ def _finish(
         evaluation_buffer_bytes=job.evaluation.largest_bytes(),
         activation_buffer_bytes=job.buffers.largest_bytes if job.buffers is not None else 0,
         parameters=[t for p in job.model.parameters() for t in (p, p.grad)],
-        optimizer_state=memory.optimizer_state_tensors(job.optimizer),
+        optimizer_state=memory.optimizer_state_tensors(job.optimization.optimizer),
     )
     figures = comm.all_gather_object(
         static_figures(comm, topo.n_inner, topo.n_boundary, topo.nnz, holder_bytes, job.baseline_rss)

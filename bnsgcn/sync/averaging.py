@@ -10,14 +10,14 @@ group with ``n`` training nodes multiplies its summed gradient by ``N / n``), an
 only as the mode says (gossip pairs as in the thesis that trained Cluster-GCN partitions
 with gossip and a work pool; grouped and partial reduction as in the straggler-mitigation
 studies g-ARAR and mw-PR). Where ranks meet in a step they take a *sync step*: before the
-optimizer step the members average their state (parameters and Adam's moments) *and* their
-gradients, weighted by training nodes,
+optimizer step the members average their state (parameters and the optimizer's state per
+parameter: Adam's moments, SGD's momentum) *and* their gradients, weighted by training nodes,
 
 .. math::
     s = \frac{\sum_{r} n_r s_r}{\sum_r n_r}, \qquad
     g = \frac{\sum_{r} n_r g_r}{\sum_r n_r},
 
-and every member then takes the same Adam step from ``s`` with ``g``, the gradient of the
+and every member then takes the same optimizer step from ``s`` with ``g``, the gradient of the
 members' mean loss. Averaging after the step instead averages ``m_r / sqrt(v_r)``, Adam's
 normalised steps, which is not the step of the averaged gradient: a round of every rank
 each step then fell 0.8 points below ``allreduce`` on Cora, where the sync step *is* the
@@ -48,6 +48,8 @@ all-reduce, :meth:`Decoupled.average_all`) before every evaluation, every checkp
 at the end, so evaluation and checkpoints see one model; per-epoch figures are
 gathered only there too (:class:`EpochTables`), so no other barrier remains in an epoch.
 Adam's step count stays each rank's own (equal without a work pool: one step per epoch).
+The learning rate of an epoch (``--lr-schedule``) is every rank's alike, and ``--grad-clip``
+clips the gradient a rank steps with: after a sync step's average, alike on its members.
 
 Waits on other ranks inside the store or the group collectives time out after
 ``--timeout`` and end the job naming the rank that stopped (:meth:`Comm.who_stopped`).
@@ -70,7 +72,7 @@ from bnsgcn.comm.communicator import Comm
 from bnsgcn.config import SyncMode
 from bnsgcn.errors import PeerLost, peer_lost_message
 from bnsgcn.metrics.accounting import COLUMNS, INDEX, EpochAccount
-from bnsgcn.nn.optim import Adam
+from bnsgcn.nn.optim import Optimizer
 from bnsgcn.sync.reducer import GradientReducer
 
 POLL_S = 0.002  # between looks at the store while pairing (a round trip is ~0.1 ms)
@@ -111,7 +113,7 @@ class Decoupled(ParameterSync):
         self,
         comm: Comm,
         model: nn.Module,
-        optimizer: Adam,
+        optimizer: Optimizer,
         mode: SyncMode,
         local_train: int,
         global_train: int,
@@ -131,7 +133,7 @@ class Decoupled(ParameterSync):
 
     def averaged(self, grads: bool = False) -> list[Tensor]:
         """What an average covers: the parameters, then the optimizer's per-parameter state
-        (Adam's moments). Averaging the moments too matters: with each rank's own second
+        (Adam's moments, SGD's momentum buffer). Averaging the moments too matters: with each rank's own second
         moment, a coordinate that a rank's data never touches (sparse features, partitions
         with few classes) gets weight decay alone, which Adam normalises into a full-size
         step towards 0 on that rank; shared moments scale it by every rank's gradients, as
@@ -441,7 +443,7 @@ def make_sync(
     mode: SyncMode,
     comm: Comm,
     model,
-    optimizer: Adam,
+    optimizer: Optimizer,
     bucket_bytes: int,
     local_train: int,
     global_train: int,

@@ -1,5 +1,6 @@
 """Running N ranks of the engine in-process (:func:`run_ranks`), the ports they meet on, what a
-run ends with, and instruments a rank can run with."""
+run ends with, and instruments a rank can run with (gradients, or rates and parameters, at
+every optimizer step)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import numpy as np
 import torch
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.nn.optim import Adam
 
 from . import kernels
 
@@ -171,19 +171,57 @@ def run_ranks(
     return results
 
 
+def _wrap_steps(before=None, after=None):
+    """Inside a rank: call ``before(optimizer)`` and ``after(optimizer)`` around every step of
+    every optimizer of the engine; returns what undoes it."""
+    from bnsgcn.nn import optim
+
+    classes = [c for c in vars(optim).values() if isinstance(c, type) and issubclass(c, optim.Optimizer)]
+    real = {c: vars(c)["step"] for c in classes if "step" in vars(c) and c is not optim.Optimizer}
+
+    def wrapped(real_step):
+        def step(self, *args, **kwargs):
+            if before:
+                before(self)
+            result = real_step(self, *args, **kwargs)
+            if after:
+                after(self)
+            return result
+
+        return step
+
+    for cls, real_step in real.items():
+        cls.step = wrapped(real_step)
+
+    def undo():
+        for cls, real_step in real.items():
+            cls.step = real_step
+
+    return undo
+
+
 def record_gradients():
     """Inside a rank: record every parameter gradient at each optimizer step (run_ranks' instrument)."""
     steps: list[list[np.ndarray]] = []
-    real_step = Adam.step
-
-    def step(self, *args, **kwargs):
-        steps.append([p.grad.detach().clone().numpy() for p in self.params])
-        return real_step(self, *args, **kwargs)
-
-    Adam.step = step
+    undo = _wrap_steps(before=lambda o: steps.append([p.grad.detach().clone().numpy() for p in o.params]))
 
     def collect():
-        Adam.step = real_step
+        undo()
+        return steps
+
+    return collect
+
+
+def record_steps():
+    """Inside a rank: at each optimizer step, its learning rate and the parameters after it
+    (run_ranks' instrument)."""
+    steps: list[dict] = []
+    undo = _wrap_steps(
+        after=lambda o: steps.append({"lr": o.group["lr"], "params": [p.detach().clone().numpy() for p in o.params]})
+    )
+
+    def collect():
+        undo()
         return steps
 
     return collect

@@ -93,7 +93,7 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     labels = torch.from_numpy(graph.labels)
     train_mask = torch.from_numpy(graph.train_mask)
     params = {k: v.requires_grad_(True) for k, v in initial_params(config, graph).items() if "running" not in k}
-    opt = torch.optim.Adam(params.values(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    opt, schedule = torch_optimizer(config, list(params.values()))
     losses = []
     for _ in range(config.run.epochs):
         logits = forward(config, a, params, x)
@@ -105,9 +105,40 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
             loss = F.cross_entropy(logits[train_mask], labels[train_mask])
         opt.zero_grad()
         loss.backward()
+        if config.optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params.values(), config.optim.grad_clip)
         opt.step()
+        if schedule is not None:
+            schedule.step()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in params.items()}
+
+
+def torch_optimizer(config: TrainConfig, params: list[Tensor]):
+    """``torch.optim``'s optimizer for the run's ``--optimizer`` and its scheduler (stepped once
+    per epoch; None for a constant rate) for ``--warmup-epochs`` and ``--lr-schedule`` none,
+    cosine or step: the engine's schedules written with torch's own (plateau needs the
+    validation scores, which this trainer does not compute)."""
+    o = config.optim
+    if o.name == "sgd":
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+    else:
+        opt = (torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam)(
+            params, lr=o.lr, weight_decay=o.weight_decay
+        )
+    assert o.lr_schedule != "plateau", "the reference has no validation scores"
+    lr_scheduler = torch.optim.lr_scheduler
+    main = {
+        "none": None,
+        "cosine": lambda: lr_scheduler.CosineAnnealingLR(opt, T_max=o.cosine_length(config.run.epochs)),
+        "step": lambda: lr_scheduler.StepLR(opt, step_size=o.lr_step_epochs, gamma=o.lr_gamma),
+    }[o.lr_schedule]
+    if not o.warmup_epochs:
+        return opt, main() if main else None
+    warmup = lr_scheduler.LinearLR(opt, start_factor=1 / (o.warmup_epochs + 1), total_iters=o.warmup_epochs)
+    if main is None:
+        return opt, warmup
+    return opt, lr_scheduler.SequentialLR(opt, [warmup, main()], milestones=[o.warmup_epochs])
 
 
 # (model, --precompute) of the exactness tests; GAT without: --precompute is refused for it (not exact)
