@@ -18,6 +18,11 @@ class UserError(Exception):
     """
 
 
+class UnknownSetting(UserError, TypeError):
+    """A training setting named that does not exist (``TrainConfig.replace``, ``bnsgcn.train``):
+    bad input, and also the TypeError an unexpected keyword argument is in Python."""
+
+
 class PeerLost(Exception):
     """A collective failed because another rank died, failed or hung past ``--timeout``;
     the message says so, naming the rank that stopped advancing where that is known.

@@ -183,6 +183,18 @@ def _exit_status(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How supervision ended: ``status`` 0 when every child exited 0, else the failure's
+    status (its exit code, or 128 + signal number) or 128 + the signal that interrupted
+    us; ``message`` the one line reported (without ``error: ``), None on success;
+    ``signum`` the signal (SIGINT, SIGTERM) that interrupted supervision, else None."""
+
+    status: int
+    message: str | None = None
+    signum: int | None = None
+
+
 def supervise(
     children: Sequence[Child],
     *,
@@ -196,6 +208,18 @@ def supervise(
 
     ``stdout``/``stderr`` default to this process's streams at call time.
     """
+    return supervise_outcome(children, grace_s=grace_s, settle_s=settle_s, stdout=stdout, stderr=stderr).status
+
+
+def supervise_outcome(
+    children: Sequence[Child],
+    *,
+    grace_s: float = 5.0,
+    settle_s: float = SETTLE_S,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> Outcome:
+    """:func:`supervise`, returning the :class:`Outcome` (the Python API raises from it)."""
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
@@ -207,20 +231,17 @@ def supervise(
                 running.append(_Running(child, exits, lock, stdout, stderr))
             failed = _first_failure(exits, len(running), settle_s)
             if failed is None:
-                return 0
+                return Outcome(0)
             _stop(running, grace_s)
-            _report(
-                stderr,
-                lock,
-                f"error: rank {failed.rank} failed ({failed.describe_exit()}): {failed.last_error_line()}",
-                running,
-            )
-            return _exit_status(failed.process.returncode)
+            line = f"rank {failed.rank} failed ({failed.describe_exit()}): {failed.last_error_line()}"
+            _report(stderr, lock, f"error: {line}", running)
+            return Outcome(_exit_status(failed.process.returncode), line)
         except _Interrupted as interrupt:
             _stop(running, grace_s)
             name = signal.Signals(interrupt.signum).name
-            _report(stderr, lock, f"error: interrupted by {name}; stopped all {len(running)} local ranks", running)
-            return 128 + interrupt.signum
+            line = f"interrupted by {name}; stopped all {len(running)} local ranks"
+            _report(stderr, lock, f"error: {line}", running)
+            return Outcome(128 + interrupt.signum, line, interrupt.signum)
         finally:
             # Whatever happened (also an exception while starting), leave nothing behind:
             # this also reaches grandchildren of children that exited on their own.

@@ -31,7 +31,7 @@ from bnsgcn.metrics.progress import step
 
 from . import Terminated
 from .coarse import coarse_bytes, format_bytes, metis_bytes
-from .datasets import CLASS_COUNT_FLOOR, CLASS_COUNT_RATIO, resolve_dataset, with_class_count
+from .datasets import CLASS_COUNT_FLOOR, CLASS_COUNT_RATIO, DatasetSource, resolve_dataset, with_class_count
 from .order import ORDERS, block_positions, order_bytes
 from .partitioner import (
     METHODS,
@@ -194,11 +194,12 @@ def parse_size(text: str) -> int:
 
 
 @contextmanager
-def phase(desc: str, need: int | None, memory_limit: int | None) -> Iterator[None]:
-    """Run one phase as a progress :func:`step`; running out of memory in it becomes one
-    :class:`UserError` naming the phase, the allocation that failed and ``need`` (bytes, estimated)."""
+def phase(desc: str, need: int | None, memory_limit: int | None, enabled: bool = True) -> Iterator[None]:
+    """Run one phase as a progress :func:`step` (shown when ``enabled``); running out of memory
+    in it becomes one :class:`UserError` naming the phase, the allocation that failed and
+    ``need`` (bytes, estimated)."""
     try:
-        with step(desc):
+        with step(desc, enabled=enabled):
             yield
     except MemoryError as exc:
         failed = getattr(exc, "_total_size", None)  # numpy's _ArrayMemoryError knows the request
@@ -211,11 +212,35 @@ def phase(desc: str, need: int | None, memory_limit: int | None) -> Iterator[Non
 
 
 def run(args: argparse.Namespace) -> int:
+    manifest, reused, out_dir = make_partition_set(args)
+    if reused:
+        print(
+            f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
+            "pass --force to rewrite it"
+        )
+    else:
+        print(f"partition set written to {out_dir}")
+    print(format_report(manifest["report"]))
+    return 0
+
+
+def make_partition_set(
+    args: argparse.Namespace, source: DatasetSource | None = None, progress: bool = True
+) -> tuple[dict, bool, Path]:
+    """Everything ``bnsgcn-partition`` does for the parsed flags ``args`` but print the result:
+    check, load, partition, order and write the set, or find it made already.
+
+    ``source`` is a graph handed over in Python (``bnsgcn.partition``), ``args.dataset`` then
+    being its spec; None loads the dataset ``args.dataset`` names from ``args.data_dir``.
+    ``progress`` shows the progress lines on stderr. Returns the manifest, whether an
+    existing set was reused, and the set's directory.
+    """
     args = settle(args)
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment) | {"node_order": args.node_order}
-    source = resolve_dataset(args.dataset, args.data_dir)
+    if source is None:
+        source = resolve_dataset(args.dataset, args.data_dir)
     inputs = input_entries(source.files)
     try:
         manifest = find_reusable(
@@ -233,67 +258,64 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _unwritable(out_dir, exc) from exc
     if manifest is not None:
-        print(
-            f"reusing the partition set at {out_dir} (same dataset files, parts and partitioner); "
-            "pass --force to rewrite it"
-        )
+        return manifest, True, out_dir
+    limit = args.memory_limit
+    with phase(f"loading {args.dataset}", None, limit, progress):
+        graph = with_class_count(source.load(progress=progress), args.num_classes, args.dataset)
+    validate_parts(args.parts, graph.num_nodes)
+    if args.assignment is not None:
+        method, need = "assignment file", None
     else:
-        limit = args.memory_limit
-        with phase(f"loading {args.dataset}", None, limit):
-            graph = with_class_count(source.load(progress=True), args.num_classes, args.dataset)
-        validate_parts(args.parts, graph.num_nodes)
-        if args.assignment is not None:
-            method, need = "assignment file", None
-        else:
-            method = resolve_method(args.method, graph.num_nodes, graph.num_edges, limit)
-            need = {
-                "metis": metis_bytes(graph.num_nodes, graph.num_edges),
-                "coarse": coarse_bytes(graph.num_nodes),
-                "random": RANDOM_BYTES_PER_NODE * graph.num_nodes,
-            }[method]
-            if args.method == "auto":
-                partitioner = {**partitioner, "resolved": method}
-                print(
-                    f"--method auto: {method} (METIS needs about "
-                    f"{format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
-                    f"{format_bytes(available_memory(limit))} available)",
-                    file=sys.stderr,
-                )
-            elif method == "metis" and need > available_memory(limit):
-                print(
-                    f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are "
-                    "available; "
-                    "it may be killed, --method coarse fits in less",
-                    file=sys.stderr,
-                )
-        with phase(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})", need, limit):
-            assignment = assign(
-                graph, args.parts, method, args.objective, args.seed, args.assignment, memory_limit=limit, progress=True
+        method = resolve_method(args.method, graph.num_nodes, graph.num_edges, limit)
+        need = {
+            "metis": metis_bytes(graph.num_nodes, graph.num_edges),
+            "coarse": coarse_bytes(graph.num_nodes),
+            "random": RANDOM_BYTES_PER_NODE * graph.num_nodes,
+        }[method]
+        if args.method == "auto":
+            partitioner = {**partitioner, "resolved": method}
+            print(
+                f"--method auto: {method} (METIS needs about "
+                f"{format_bytes(metis_bytes(graph.num_nodes, graph.num_edges))}, "
+                f"{format_bytes(available_memory(limit))} available)",
+                file=sys.stderr,
             )
-        position = None
-        if args.node_order == "blocks":
-            with phase("ordering nodes into blocks", order_bytes(graph, assignment, args.parts), limit):
-                position, blocks = block_positions(graph, assignment, args.parts, seed=args.seed, memory_limit=limit)
-            partitioner = {**partitioner, "blocks_by": blocks}
-        try:
-            with phase("writing partitions", writer_bytes(graph, assignment, args.parts), limit):
-                manifest = write_partition_set(
-                    graph,
-                    assignment,
-                    out_dir,
-                    parts=args.parts,
-                    method_info=partitioner,
-                    dataset_spec=args.dataset,
-                    inputs=inputs,
-                    force=args.force,
-                    position=position,
-                    num_classes_given=args.num_classes,
-                )
-        except OSError as exc:
-            raise _unwritable(out_dir, exc) from exc
-        print(f"partition set written to {out_dir}")
-    print(format_report(manifest["report"]))
-    return 0
+        elif method == "metis" and need > available_memory(limit):
+            print(
+                f"warning: METIS needs about {format_bytes(need)} but {format_bytes(available_memory(limit))} are "
+                "available; "
+                "it may be killed, --method coarse fits in less",
+                file=sys.stderr,
+            )
+    with phase(f"partitioning {graph.num_nodes:,} nodes into {args.parts} parts ({method})", need, limit, progress):
+        assignment = assign(
+            graph, args.parts, method, args.objective, args.seed, args.assignment, memory_limit=limit, progress=progress
+        )
+    position = None
+    if args.node_order == "blocks":
+        with phase("ordering nodes into blocks", order_bytes(graph, assignment, args.parts), limit, progress):
+            position, blocks = block_positions(
+                graph, assignment, args.parts, seed=args.seed, memory_limit=limit, progress=progress
+            )
+        partitioner = {**partitioner, "blocks_by": blocks}
+    try:
+        with phase("writing partitions", writer_bytes(graph, assignment, args.parts), limit, progress):
+            manifest = write_partition_set(
+                graph,
+                assignment,
+                out_dir,
+                parts=args.parts,
+                method_info=partitioner,
+                dataset_spec=args.dataset,
+                inputs=inputs,
+                force=args.force,
+                progress=progress,
+                position=position,
+                num_classes_given=args.num_classes,
+            )
+    except OSError as exc:
+        raise _unwritable(out_dir, exc) from exc
+    return manifest, False, out_dir
 
 
 def _unwritable(out_dir: Path, exc: OSError) -> UserError:

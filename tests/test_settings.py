@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bnsgcn.config import SETTINGS, TrainConfig, add_arguments, flag_name, from_args, shown_default
+from bnsgcn.config import SETTINGS, TrainConfig, add_arguments, flag_name, from_args, shown_default, to_argv
 from bnsgcn.config.flags import GROUPS
+from bnsgcn.errors import UserError
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
@@ -71,6 +72,8 @@ def test_flat_settings_address_the_sections():
     assert list(config.to_json()) == list(SETTINGS)  # config.json: every setting by its flag's name
     with pytest.raises(TypeError, match="unknown training setting 'modle'"):
         TrainConfig.from_settings(modle="gcn")
+    with pytest.raises(UserError, match="unknown training setting 'modle'"):  # bad input, for the Python API
+        TrainConfig().replace(modle="gcn")
 
 
 def test_parser_defaults_are_the_dataclass_defaults():
@@ -94,3 +97,34 @@ def test_the_model_choices_are_the_built_in_layers():
     from bnsgcn.nn.layers import LAYERS
 
     assert sorted(MODELS) == sorted(LAYERS)
+
+
+def test_flags_from_a_configuration_parse_back_to_it():
+    # bnsgcn.train hands its settings to the ranks as flags: every kind of value must survive
+    config = TrainConfig.from_settings(
+        parts_dir=Path("-parts/x y"),  # a leading dash and a space
+        p=0.1 + 0.2,  # no short decimal form
+        model="gcn",
+        hidden=7,
+        seed=-3,
+        precompute=False,
+        remat=True,
+        compress_grad="int8",
+        staleness=1,
+        stale_smoothing=0.25,
+        sync="grouped:4:2",
+        inject_delay="0:0.5,1:0.1-0.2",
+        out=Path("runs/a"),
+        timeout=12.5,
+    )
+    argv = to_argv(config)
+    assert from_args(_parser().parse_args(argv)) == config
+    assert "--no-precompute" in argv and "--remat" in argv and "--seed=-3" in argv
+    assert not any(arg.startswith(("--lr", "--epochs")) for arg in argv)  # defaults stay implicit
+    assert to_argv(TrainConfig()) == []
+    assert from_args(_parser().parse_args(to_argv(config.replace(precompute=True)))).model.precompute is True
+    with pytest.raises(UserError, match="--remat is on or off; pass remat=True or remat=False"):
+        to_argv(TrainConfig.from_settings(remat="yes"))
+    # a value of the wrong type reaches the parser, which refuses it as on the command line
+    with pytest.raises(SystemExit):
+        _parser().parse_args(to_argv(TrainConfig.from_settings(hidden=16.0)))

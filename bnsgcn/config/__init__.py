@@ -15,7 +15,7 @@ from bnsgcn.config.checks import (
     parse_sync,
     validate,
 )
-from bnsgcn.config.flags import add_arguments, from_args, shown_default
+from bnsgcn.config.flags import add_arguments, from_args, shown_default, to_argv
 from bnsgcn.config.sections import (
     SETTINGS,
     WIRE_FORMATS,
@@ -53,5 +53,6 @@ __all__ = [
     "parse_delays",
     "parse_sync",
     "shown_default",
+    "to_argv",
     "validate",
 ]

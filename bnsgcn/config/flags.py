@@ -10,6 +10,7 @@ import dataclasses
 
 from bnsgcn.config.checks import validate
 from bnsgcn.config.sections import SETTINGS, TrainConfig, flag_name
+from bnsgcn.errors import UserError
 
 GROUPS = {
     "data": "training: the partition set",
@@ -56,3 +57,27 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     config = TrainConfig.from_settings(**{k: v for k, v in vars(ns).items() if k in SETTINGS})
     validate(config)
     return config
+
+
+def to_argv(config: TrainConfig) -> list[str]:
+    """The training flags that give ``config``: one per setting that differs from its default,
+    as ``--flag=value`` (a value may start with a dash), an on/off setting as its bare flag.
+    Parsing them back (:func:`add_arguments`, :func:`from_args`) gives ``config`` again, with
+    the command line's own checks: the Python API (``bnsgcn.train``) passes its settings to the
+    ranks this way. An on/off setting given anything but True or False raises :class:`UserError`."""
+    argv = []
+    for name, (section, f) in SETTINGS.items():
+        value = getattr(getattr(config, section), f.name)
+        if value is None and f.default is None:
+            continue
+        if name == "precompute" or isinstance(f.default, bool):
+            if not isinstance(value, bool):
+                raise UserError(f"{flag_name(f)} is on or off; pass {name}=True or {name}=False, not {value!r}")
+            if value != f.default:
+                argv.append(flag_name(f) if value else "--no-precompute")
+            continue
+        if value == f.default and type(value) is type(f.default):
+            continue
+        # repr: the shortest text that parses back to the same float (numpy floats print their type)
+        argv.append(f"{flag_name(f)}={float(value)!r}" if isinstance(value, float) else f"{flag_name(f)}={value}")
+    return argv

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bnsgcn.errors import UnknownSetting
+
 MODELS = ("graphsage", "gat", "gcn")
 WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.comm.wire encodes
 EXCHANGES = ("direct", "hierarchical", "auto")
@@ -290,7 +292,10 @@ class TrainConfig:
         """This configuration with the flat ``settings`` changed."""
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
-            raise TypeError(f"unknown training setting {unknown[0]!r}; the settings are the flags of bnsgcn-train")
+            raise UnknownSetting(
+                f"unknown training setting {unknown[0]!r}; the settings are the flags of bnsgcn-train, dashes as "
+                "underscores (eval_every for --eval-every)"
+            )
         changed: dict[str, dict] = {}
         for name, value in settings.items():
             section, f = SETTINGS[name]

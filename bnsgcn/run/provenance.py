@@ -13,8 +13,11 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
 
 LAUNCH_VARIABLE = "BNSGCN_LAUNCH"
+RUNS_ROOT = Path("runs")  # where runs without --out go
 UNKNOWN = {"mode": None, "job_id": None, "nodes": None}
 
 
@@ -37,3 +40,15 @@ def run_name_suffix(info: Mapping[str, object]) -> str:
         return ""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(job_id))
     return f"-{info.get('mode') or 'job'}-{safe}"
+
+
+def new_run_dir(info: Mapping[str, object]) -> Path:
+    """The directory of a run without ``--out``: ``runs/<timestamp><suffix>``
+    (:func:`run_name_suffix` of the launch record ``info``), ``.1``, ``.2``, ... appended
+    while the name is taken. Not created."""
+    run_dir = RUNS_ROOT / (datetime.now().strftime("%Y%m%d-%H%M%S") + run_name_suffix(info))
+    suffix = 1
+    while run_dir.exists():
+        run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
+        suffix += 1
+    return run_dir

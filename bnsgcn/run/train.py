@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -68,7 +68,7 @@ from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Optimization, make_optimization
 from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
-from bnsgcn.run.provenance import launch_info, run_name_suffix
+from bnsgcn.run.provenance import launch_info, new_run_dir
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
 from bnsgcn.sync.averaging import (
     EpochTables,
@@ -137,11 +137,7 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> tuple[Path, Path | None
     run_dir = config.run.out
     if comm.rank == 0:
         if run_dir is None:
-            run_dir = Path("runs") / (datetime.now().strftime("%Y%m%d-%H%M%S") + run_name_suffix(launch_info()))
-            suffix = 1
-            while run_dir.exists():
-                run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
-                suffix += 1
+            run_dir = new_run_dir(launch_info())
         try:
             if not config.checkpoint.resume and (held := directory.earlier_run(run_dir)):
                 if not config.run.force:
