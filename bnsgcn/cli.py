@@ -19,6 +19,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from bnsgcn.errors import UserError
+
 USAGE_STATUS = 2
 
 
@@ -45,6 +47,7 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.elsewhere = elsewhere
+        self.raises = False
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
@@ -90,9 +93,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """One line naming the problem and the fix, exit status 2 (argparse's own messages,
-        such as an invalid number, get the pointer to ``--help`` as their fix)."""
-        fix = "" if ";" in message else f"; see {self.prog} --help"
-        print(f"error: {message}{fix}", file=sys.stderr, flush=True)
+        such as an invalid number, get the pointer to ``--help`` as their fix); raised as a
+        :class:`UserError` instead where ``raises`` is set (the Python API)."""
+        line = message if ";" in message else f"{message}; see {self.prog} --help"
+        if self.raises:
+            raise UserError(line)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(USAGE_STATUS)
 
 

@@ -18,7 +18,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from bnsgcn.config import TrainConfig, to_argv
 from bnsgcn.errors import UserError
@@ -103,10 +103,6 @@ class Result:
         return whole_graph_logits(self.model, self.config, self._graph)
 
 
-def _refuse(message: str) -> NoReturn:
-    raise UserError(message)
-
-
 def train(
     parts: str | os.PathLike | None = None,
     config: TrainConfig | None = None,
@@ -140,7 +136,7 @@ def train(
         named = config if config.run.out is not None else config.replace(out=new_run_dir(_launch_record()))
         argv = to_argv(named) + launch
         parser = build_parser()
-        parser.error = _refuse  # the command's message, raised instead of printed with exit status 2
+        parser.raises = True  # the command's one-line message, raised instead of printed with exit status 2
         children = prepare_local_ranks(parser.parse_args(argv), argv)
         if named is config:
             break

@@ -13,7 +13,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 from bnsgcn.data.format import read_manifest
 from bnsgcn.errors import UserError
@@ -70,10 +69,6 @@ class PartitionSet:
         from .writer import format_report  # with numba: imported on use, as the whole step
 
         return format_report(self.manifest["report"])
-
-
-def _refuse(message: str) -> NoReturn:
-    raise UserError(message)
 
 
 def partition(
@@ -141,7 +136,7 @@ def partition(
     from .cli import build_parser, make_partition_set
 
     parser = build_parser()
-    parser.error = _refuse  # the command's message, raised instead of printed with exit status 2
+    parser.raises = True  # the command's one-line message, raised instead of printed with exit status 2
     # "--" first: a dataset spec is never read as a flag; "memory:" stands in until the graph is read
     args = parser.parse_args([*argv, "--", graph if not in_memory else "memory:"])
     source = None
