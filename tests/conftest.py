@@ -10,3 +10,33 @@ def _kernels_compiling():
     """Start compiling the engine's CPU kernels into numba's cache, in the background, once
     per test run (helpers.kernels): the tests that start training jobs wait for it."""
     kernels.start_compiling()
+
+
+# The test files that take longest on two cores, longest first (measured with --durations).
+# pytest-xdist's --dist loadfile hands files out in collection order once its own reordering
+# (by number of tests) is off: started first, no long file is left running alone at the end.
+LONGEST_FIRST = (
+    "test_workpool.py",
+    "test_sync.py",
+    "test_operator_faults.py",
+    "test_slurm.py",
+    "test_roofline_bench.py",
+    "test_stragglers_bench.py",
+    "test_cora.py",
+    "test_api.py",
+    "test_faults.py",
+    "test_kernels.py",
+    "test_lag.py",
+    "test_errors.py",
+    "test_hierarchical.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's order kept
