@@ -12,11 +12,20 @@ def _kernels_compiling():
     kernels.start_compiling()
 
 
-# The test files that take longest on two cores, longest first (measured with --durations).
-# pytest-xdist's --dist loadfile hands files out in collection order once its own reordering
-# (by number of tests) is off: started first, no long file is left running alone at the end.
-LONGEST_FIRST = (
+# The order the files start in, for pytest-xdist's --dist loadfile (which hands files out in
+# collection order once its own reordering, by number of tests, is off). The longest file on
+# two cores (measured with --durations) first; then, while the kernels compile, files that
+# need no compiled kernels, so that the other worker does not wait; then the other long files,
+# longest first, so that no long file is left running alone at the end.
+START_ORDER = (
     "test_workpool.py",
+    "test_launch.py",
+    "test_partition_cli.py",
+    "test_partition.py",
+    "test_partition_coarse.py",
+    "test_datasets.py",
+    "test_settings.py",
+    "test_optim.py",
     "test_sync.py",
     "test_operator_faults.py",
     "test_slurm.py",
@@ -38,5 +47,5 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    first = {name: i for i, name in enumerate(START_ORDER)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's order kept
