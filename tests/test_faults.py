@@ -46,7 +46,7 @@ from .helpers.faults import (
     last_epoch,
     rank_process,
     records,
-    run_with_rank_one_hung,
+    run_with_rank_hung,
     start,
     stderr_of,
     train_args,
@@ -289,14 +289,14 @@ HANG_TIMEOUT_S = 5
 @pytest.fixture(scope="module", autouse=True)
 def hung_job(request, work: Path, parts: Path):
     """The job of test_hung_rank_ends_the_job_after_the_timeout, started with the module's
-    first test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
+    first test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_hung)."""
     cwd = work / "hung"
     cwd.mkdir()
     args = train_args(
         parts, cwd / "run", "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(HANG_TIMEOUT_S)
     )
     name = "test_hung_rank_ends_the_job_after_the_timeout"
-    with in_background_if_selected(request, name, lambda: run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)) as job:
+    with in_background_if_selected(request, name, lambda: run_with_rank_hung(cwd, args, HANG_TIMEOUT_S)) as job:
         yield cwd, job
 
 

@@ -46,7 +46,7 @@ from .helpers.faults import (
     kill_job,
     last_epoch,
     rank_process,
-    run_with_rank_one_hung,
+    run_with_rank_hung,
     start,
     stderr_of,
     train_args,
@@ -370,14 +370,14 @@ HANG_TIMEOUT_S = 5
 @pytest.fixture(scope="module", autouse=True)
 def hung_job(request, parts2, tmp_path_factory):
     """The job of test_hung_rank_is_named_after_the_timeout, started with the module's first
-    test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_one_hung)."""
+    test: rank 1 suspended after the first epoch (helpers.faults.run_with_rank_hung)."""
     cwd = tmp_path_factory.mktemp("hung")
     flags = [*LAG_FLAGS[:-1], "grouped:1000:2"]
     args = train_args(
         parts2, cwd / "run", "--epochs", "100000", *flags, "--timeout", str(HANG_TIMEOUT_S), "--eval-every", "50"
     )
     name = "test_hung_rank_is_named_after_the_timeout"
-    with in_background_if_selected(request, name, lambda: run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)) as job:
+    with in_background_if_selected(request, name, lambda: run_with_rank_hung(cwd, args, HANG_TIMEOUT_S)) as job:
         yield cwd, job
 
 

@@ -102,6 +102,7 @@ from .helpers.faults import (
     kill_job,
     last_epoch,
     rank_process,
+    run_with_rank_hung,
     start,
     stderr_of,
     train_args,
@@ -485,16 +486,7 @@ def test_a_stopped_rank_ends_the_job_within_twice_the_timeout_naming_it(tmp_path
     timeout_s = 8
     run_dir = tmp_path / "run"
     args = train_args(parts, run_dir, "--epochs", "100000", "--checkpoint-every", "0", "--timeout", str(timeout_s))
-    job = start([*TRAIN, *args], tmp_path, "job")
-    try:
-        wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
-        processes = descendants(job.pid)
-        rank_process(processes, stopped).suspend()
-        stopped_at = time.monotonic()
-        job.wait(2 * timeout_s + 60)
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        kill_job(job)
+    job, processes, elapsed = run_with_rank_hung(tmp_path, args, timeout_s, rank=stopped)
     assert elapsed < 2 * timeout_s, f"the job took {elapsed:.1f} s to end after rank {stopped} stopped"
     assert job.returncode == 4
     last_line = stderr_of(tmp_path, "job").strip().splitlines()[-1]

@@ -44,7 +44,7 @@ from .helpers.faults import (
     assert_killed_rank_is_named,
     check_hung_rank_named,
     in_background_if_selected,
-    run_with_rank_one_hung,
+    run_with_rank_hung,
     train_args,
 )
 from .helpers.graphs import cora_metis, partition, random_graph
@@ -450,7 +450,7 @@ HANG_TIMEOUT_S = 5
 @pytest.fixture(scope="module")
 def hung_store_rounds(request, parts2, tmp_path_factory):
     """For each store-based mode, the job of test_hung_rank_in_a_store_round_is_named: rank 1
-    suspended after the first epoch (helpers.faults.run_with_rank_one_hung). Both start in the
+    suspended after the first epoch (helpers.faults.run_with_rank_hung). Both start in the
     background with the first test that asks for them, the killed-rank tests (each job mostly
     waits: --timeout, then the launcher's grace periods), not earlier: the module's earlier
     tests time epochs and sleeps."""
@@ -475,7 +475,7 @@ def hung_store_rounds(request, parts2, tmp_path_factory):
             "--eval-every",
             "50",
         )
-        return cwd, run_dir, run_with_rank_one_hung(cwd, args, HANG_TIMEOUT_S)
+        return cwd, run_dir, run_with_rank_hung(cwd, args, HANG_TIMEOUT_S)
 
     def both() -> dict:
         with ThreadPoolExecutor(len(STORE_MODES)) as pool:

@@ -176,17 +176,17 @@ def assert_killed_rank_is_named(tmp_path: Path, args: list[str], started=None) -
     assert_all_gone(processes, run_dir)
 
 
-def run_with_rank_one_hung(
-    tmp_path: Path, args: list[str], timeout_s: float
+def run_with_rank_hung(
+    tmp_path: Path, args: list[str], timeout_s: float, rank: int = 1
 ) -> tuple[subprocess.Popen, list[psutil.Process], float]:
-    """Start the job, suspend rank 1 (SIGSTOP: alive but silent, as a hung rank) after the
+    """Start the job, suspend ``rank`` (SIGSTOP: alive but silent, as a hung rank) after the
     first epoch; return the ended job, its processes and seconds from the suspension to its end."""
     run_dir = Path(args[args.index("--out") + 1])
     job = start([*TRAIN, *args], tmp_path, "job")
     try:
         wait_for(lambda: last_epoch(run_dir) >= 1, job, START_S, "first epoch in metrics.jsonl")
         processes = descendants(job.pid)
-        rank_process(processes, 1).suspend()
+        rank_process(processes, rank).suspend()
         stopped_at = time.monotonic()
         job.wait(timeout_s + 60)
         elapsed = time.monotonic() - stopped_at
@@ -202,7 +202,7 @@ def check_hung_rank_named(
     timeout_s: float,
     last_line_pattern: str,
 ) -> None:
-    """What :func:`run_with_rank_one_hung` returned (the job started in ``cwd``): the job ended
+    """What :func:`run_with_rank_hung` returned (the job started in ``cwd``): the job ended
     after ``--timeout`` (plus the grace periods) with status 4, its last line matching
     ``last_line_pattern``, no traceback and no process left."""
     job, processes, elapsed = hung
@@ -216,10 +216,10 @@ def check_hung_rank_named(
 
 
 def assert_hung_rank_named(tmp_path: Path, args: list[str], timeout_s: float, last_line_pattern: str) -> None:
-    """Start the job, suspend rank 1 after the first epoch (:func:`run_with_rank_one_hung`) and
+    """Start the job, suspend rank 1 after the first epoch (:func:`run_with_rank_hung`) and
     check the job ends after ``--timeout`` with the rank named (:func:`check_hung_rank_named`)."""
     run_dir = Path(args[args.index("--out") + 1])
-    hung = run_with_rank_one_hung(tmp_path, args, timeout_s)
+    hung = run_with_rank_hung(tmp_path, args, timeout_s)
     check_hung_rank_named(tmp_path, run_dir, hung, timeout_s, last_line_pattern)
 
 
