@@ -85,6 +85,7 @@ def partition(
     num_classes: int | None = None,
     force: bool = False,
     data_dir: str | os.PathLike | None = None,
+    download: bool = False,
     features: object = None,
     labels: object = None,
     split: Mapping | None = None,
@@ -99,7 +100,8 @@ def partition(
     node-property dataset, a sparse adjacency [N, N] (``tocsr()``) or an ``(indptr, indices)``
     pair, with ``features`` float [N, F], ``labels`` int [N] (or 0/1 [N, C]) and ``split``
     (``{"train", "val", "test"}``: bool masks [N] or node ids) where the object lacks them.
-    ``name`` names such a graph in the manifest (default ``"graph"``).
+    ``name`` names such a graph in the manifest (default ``"graph"``). ``download`` fetches a
+    named dataset's missing files into ``data_dir`` first (``--download``).
 
     The other arguments are the command's flags: ``out`` (default ``parts/<name>-<parts>``),
     ``method`` (metis, random, coarse, auto), ``objective`` (cut, vol), ``seed``,
@@ -128,9 +130,12 @@ def partition(
             flags[flag] = os.path.expanduser(os.fspath(flags[flag]))
     argv = [f"{flag}={value}" for flag, value in flags.items() if value is not None]
     argv += ["--force"] if force else []
+    argv += ["--download"] if download else []
     in_memory = not isinstance(graph, str)
-    if in_memory and data_dir is not None:
-        raise UserError("data_dir= is where a named dataset's files are; a graph given as an object needs none")
+    if in_memory and (data_dir is not None or download):
+        raise UserError(
+            "data_dir= and download= are for a named dataset's files; a graph given as an object needs neither"
+        )
     if not in_memory and any(v is not None for v in (features, labels, split)):
         raise UserError(f"features=, labels= and split= go with a graph given as an object, not with {graph!r}")
     from .cli import build_parser, make_partition_set

@@ -1,6 +1,6 @@
 """``bnsgcn-partition``: load a dataset, partition it, write a partition set.
 
-    bnsgcn-partition [--parts K] DATASET [--data-dir DIR] [--out DIR]
+    bnsgcn-partition [--parts K] DATASET [--data-dir DIR] [--download] [--out DIR]
                      [--method metis|random|coarse|auto] [--objective cut|vol] [--assignment FILE]
                      [--memory-limit SIZE] [--node-order blocks|ids] [--num-classes N] [--seed N]
                      [--force] [--debug]
@@ -32,6 +32,7 @@ from bnsgcn.metrics.progress import step
 from . import Terminated
 from .coarse import coarse_bytes, format_bytes, metis_bytes
 from .datasets import CLASS_COUNT_FLOOR, CLASS_COUNT_RATIO, DatasetSource, resolve_dataset, with_class_count
+from .datasets.download import DOWNLOADS, MIRROR_VARIABLE, resolve_or_download
 from .order import ORDERS, block_positions, order_bytes
 from .partitioner import (
     METHODS,
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"number of partitions = training ranks (default {DEFAULT_PARTS})",
     )
     parser.add_argument("--data-dir", type=Path, help="directory holding the dataset files (default ./data)")
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help=f"fetch the dataset's files into --data-dir when they are missing ({', '.join(DOWNLOADS)}); "
+        f"${MIRROR_VARIABLE} replaces the sources' URLs",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default parts/<dataset>-<K>)")
     parser.add_argument(
         "--method",
@@ -231,7 +238,8 @@ def make_partition_set(
     check, load, partition, order and write the set, or find it made already.
 
     ``source`` is a graph handed over in Python (``bnsgcn.partition``), ``args.dataset`` then
-    being its spec; None loads the dataset ``args.dataset`` names from ``args.data_dir``.
+    being its spec; None loads the dataset ``args.dataset`` names from ``args.data_dir``,
+    downloading its files first when they are missing and ``args.download`` is set.
     ``progress`` shows the progress lines on stderr. Returns the manifest, whether an
     existing set was reused, and the set's directory.
     """
@@ -239,7 +247,9 @@ def make_partition_set(
     validate_parts(args.parts)
     out_dir = args.out if args.out is not None else default_out_dir(args.dataset, args.parts)
     partitioner = method_info(args.method, args.objective, args.seed, args.assignment) | {"node_order": args.node_order}
-    if source is None:
+    if source is None and args.download:
+        source = resolve_or_download(args.dataset, args.data_dir, progress)
+    elif source is None:
         source = resolve_dataset(args.dataset, args.data_dir)
     inputs = input_entries(source.files)
     try:

@@ -65,8 +65,12 @@ COARSE_BYTES_PER_NODE = 80
 
 
 def format_bytes(size: float) -> str:
-    """``1.5 GiB``, ``320 MiB``: memory sizes in error and progress lines."""
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+    """``1.5 GiB``, ``320 MiB``, ``12 KiB``, ``300 B``: memory and file sizes in error and progress lines."""
+    if size >= 2**30:
+        return f"{size / 2**30:.1f} GiB"
+    if size >= 2**20:
+        return f"{size / 2**20:.0f} MiB"
+    return f"{size / 2**10:.0f} KiB" if size >= 2**10 else f"{size:.0f} B"
 
 
 def metis_bytes(num_nodes: int, num_edges: int) -> int:

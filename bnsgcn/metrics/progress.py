@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -48,6 +48,10 @@ class Progress:
         stream: where to write (default ``sys.stderr``).
         enabled: ``False`` writes nothing (the object still counts).
         interval: seconds between plain lines when ``stream`` is not a terminal.
+        initial: units done before this display started (a resumed download): counted in
+            the total, not in the rate.
+        unit: formats a count and a rate (``format_bytes``: ``12 MiB/81 MiB ... 4 MiB/s``);
+            default: plain numbers.
 
     Use as a context manager; leaving the block writes the final line.
     """
@@ -60,13 +64,16 @@ class Progress:
         *,
         enabled: bool = True,
         interval: float = 5.0,
+        initial: int = 0,
+        unit: Callable[[float], str] | None = None,
     ) -> None:
         self.total = total
         self.desc = desc
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled
         self.interval = interval
-        self.count = 0
+        self.count = self._initial = initial
+        self._unit = unit
         self._tty = _is_tty(self.stream)
         self._start = time.perf_counter()
         self._last_write = self._start
@@ -99,11 +106,13 @@ class Progress:
     def line(self) -> str:
         """The current status text: ``desc: 3/8 (37%) 1.2/s, ETA 4.1s``."""
         elapsed = time.perf_counter() - self._start
-        rate = self.count / elapsed if elapsed > 0 else 0.0
+        rate = (self.count - self._initial) / elapsed if elapsed > 0 else 0.0
+        count, speed = (self._unit(self.count), self._unit(rate)) if self._unit else (self.count, f"{rate:.3g}")
         if self.total is None:
-            return f"{self.desc}: {self.count} ({rate:.3g}/s, {_duration(elapsed)})"
+            return f"{self.desc}: {count} ({speed}/s, {_duration(elapsed)})"
         percent = 100.0 * self.count / self.total if self.total else 100.0
-        text = f"{self.desc}: {self.count}/{self.total} ({percent:.0f}%) {rate:.3g}/s"
+        total = self._unit(self.total) if self._unit else self.total
+        text = f"{self.desc}: {count}/{total} ({percent:.0f}%) {speed}/s"
         if self.count >= self.total:
             return f"{text}, done in {_duration(elapsed)}"
         eta = (self.total - self.count) / rate if rate > 0 else None

@@ -4,9 +4,10 @@
 ``resolve_dataset(spec, data_dir).load()``. Resolving finds every file the load will
 read (or fails at once, without starting a progress line), so ``bnsgcn-partition`` can
 check the files, and whether an existing set was made from them, before the long load.
-The loaders never download: they read files the user placed under ``data_dir`` (see
-``docs/datasets.md`` for each dataset's files and where to get them) and turn every
-problem with them into a one-line :class:`~bnsgcn.errors.UserError`.
+The loaders never download: they read files placed under ``data_dir`` (see
+``docs/datasets.md`` for each dataset's files and where to get them; ``bnsgcn-partition
+--download`` fetches them first, :mod:`.download`) and turn every problem with them into a
+one-line :class:`~bnsgcn.errors.UserError`.
 
 This module also holds what all loaders share: the directory lookup
 (:func:`find_dataset_dir`), the progress lines (:class:`Progress`) and the validation and
@@ -287,8 +288,8 @@ def resolve_dataset(spec: str, data_dir: Path | None) -> DatasetSource:
     ``yelp``, ``cora``, ``citeseer``, ``pubmed`` (files under ``data_dir``, default
     ``./data``), ``saint:<name>`` (any GraphSAINT-format directory), ``npz:<path>``,
     ``csr:<dir>`` (a canonical CSR as ``.npy`` files, memory-mapped), or
-    ``synthetic[:key=value,...]``. Nothing is ever downloaded. Raises :class:`UserError`
-    for an unknown spec or missing files.
+    ``synthetic[:key=value,...]``. Nothing is downloaded here (see :mod:`.download`).
+    Raises :class:`UserError` for an unknown spec or missing files.
     """
     # Loaders are imported on use: the OGB reader pulls in pandas and ogb, the others need nothing.
     kind, _, argument = spec.partition(":")

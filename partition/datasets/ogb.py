@@ -47,8 +47,9 @@ from . import DatasetSource, Progress, build_graph, find_dataset_dir, read_split
 from .planetoid import ALLOWED_GLOBALS, restricted_unpickle
 
 HOW_TO_GET = (
-    "get the dataset from https://ogb.stanford.edu (e.g. run NodePropPredDataset(name, root=DIR) "
-    "from the ogb package once on a machine with internet access) and copy the folder"
+    "pass --download to fetch them, or get the dataset from https://ogb.stanford.edu (e.g. run "
+    "NodePropPredDataset(name, root=DIR) from the ogb package once on a machine with internet access) and copy the "
+    "folder"
 )
 PROCESSED_FILE = "processed/data_processed"
 REBUILD_PROCESSED = "delete it (ogb rebuilds it from raw/) or download the dataset again"

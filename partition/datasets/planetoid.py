@@ -38,7 +38,7 @@ from .npz import csr_row_ids, dense_from_sparse
 PYG_NAMES = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
 PICKLED_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph")
 NUM_VAL = 500
-HOW_TO_GET = "get them from the data folder of https://github.com/kimiyoung/planetoid"
+HOW_TO_GET = "pass --download to fetch them, or get them from the data folder of https://github.com/kimiyoung/planetoid"
 
 
 class PickledCSR:

@@ -18,7 +18,10 @@ from bnsgcn.partition.graph import Graph
 from . import DatasetSource, Progress, build_graph, find_dataset_dir
 from .npz import NpzArrays, read_sparse
 
-HOW_TO_GET = "download reddit.zip from https://data.dgl.ai/dataset/reddit.zip (DGL's Reddit data) and unzip it"
+HOW_TO_GET = (
+    "pass --download to fetch them, or download reddit.zip from https://data.dgl.ai/dataset/reddit.zip (DGL's Reddit "
+    "data) and unzip it"
+)
 FILES = ("reddit_data.npz", "reddit_graph.npz")
 
 

@@ -98,7 +98,11 @@ def standardise(features: np.ndarray, train_mask: np.ndarray) -> np.ndarray:
 
 def locate_saint(name: str, data_dir: Path | None) -> DatasetSource:
     """A GraphSAINT-format directory (``name`` is its folder name, or a path)."""
-    root, files = find_dataset_dir(data_dir, (name,), FILES, name, HOW_TO_GET)
+    from .download import find_download
+
+    downloadable = find_download(f"saint:{name}") is not None
+    how_to_get = f"pass --download to fetch them, or {HOW_TO_GET}" if downloadable else HOW_TO_GET
+    root, files = find_dataset_dir(data_dir, (name,), FILES, name, how_to_get)
     return DatasetSource(name, tuple(root / file for file in files), partial(read_saint, Path(name).name, root))
 
 
