@@ -8,6 +8,7 @@ any rank starts and again on every rank (torchrun and srun start ranks directly)
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 
 from bnsgcn.config.sections import (
     EXCHANGES,
+    LOGGERS,
     LR_SCHEDULES,
     MODELS,
     NONZERO_ROWS,
@@ -23,6 +25,7 @@ from bnsgcn.config.sections import (
     SETTINGS,
     WIRE_FORMATS,
     OptimConfig,
+    RunConfig,
     TrainConfig,
     flag_name,
 )
@@ -30,6 +33,8 @@ from bnsgcn.device import DEVICES
 from bnsgcn.errors import UserError
 
 SYNC_KINDS = ("allreduce", "grouped", "partial", "gossip")
+# --logger NAME -> the package it needs (csv needs none); pip installs both with bnsgcn[loggers]
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 DEFAULT_GROUPS = 2  # grouped:G without :N: a fast and a slow group
 
 
@@ -109,6 +114,32 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"--threads {c.threads} must be a positive integer")
     if config.model.use_precompute and c.model == "gat":
         raise UserError("--precompute is not exact for gat (attention depends on the weights); drop --precompute")
+    _check_loggers(config.run)
+
+
+def _check_loggers(run: RunConfig) -> None:
+    """``--logger``: known names whose packages are installed (found without importing them: the launcher stays
+    light), and the W&B flags only with wandb, in one line each."""
+    for name in run.loggers:
+        if name not in LOGGERS:
+            raise UserError(
+                f"unknown logger {name!r}; choose --logger from {', '.join(LOGGERS)} (several comma-separated)"
+            )
+        package = LOGGER_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise UserError(
+                f"--logger {name} needs the {package} package, which is not installed; pip install {package} (or pip "
+                f"install 'bnsgcn[loggers]'), or drop {name} from --logger"
+            )
+    defaults = RunConfig()
+    for flag, given in (
+        ("--wandb-project", run.wandb_project != defaults.wandb_project),
+        ("--run-name", run.run_name is not None),
+    ):
+        if given and "wandb" not in run.loggers:
+            raise UserError(
+                f"{flag} is for the W&B logger, but --logger has no wandb; add --logger wandb or drop {flag}"
+            )
 
 
 def _check_optimizer(c: SimpleNamespace) -> None:

@@ -33,12 +33,23 @@ def shown_default(f: dataclasses.Field) -> str:
     return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 
+class _Joined(argparse.Action):
+    """A flag that may be repeated: its values joined by commas (``--logger tensorboard --logger csv`` is
+    ``--logger tensorboard,csv``), where a plain flag would keep the last alone."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        earlier = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, values if earlier is None else f"{earlier},{values}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every training flag, as the sections define it, to ``parser`` (one group each)."""
     groups = {section: parser.add_argument_group(title) for section, title in GROUPS.items()}
     for name, (section, f) in SETTINGS.items():
         group = groups[section]
-        options = {k: v for k, v in f.metadata.items() if k not in ("help", "shown", "flag")}
+        options = {k: v for k, v in f.metadata.items() if k not in ("help", "shown", "flag", "joined")}
+        if f.metadata.get("joined"):
+            options["action"] = _Joined
         help_text = f"{f.metadata['help']} (default {shown_default(f)})"
         if name == "precompute":  # a pair: --precompute / --no-precompute
             pair = group.add_mutually_exclusive_group()
@@ -61,7 +72,8 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
 
 def to_argv(config: TrainConfig) -> list[str]:
     """The training flags that give ``config``: one per setting that differs from its default,
-    as ``--flag=value`` (a value may start with a dash), an on/off setting as its bare flag.
+    as ``--flag=value`` (a value may start with a dash; a list as its items joined by commas), an on/off
+    setting as its bare flag.
     Parsing them back (:func:`add_arguments`, :func:`from_args`) gives ``config`` again, with
     the command line's own checks: the Python API (``bnsgcn.train``) passes its settings to the
     ranks this way. An on/off setting given anything but True or False raises :class:`UserError`."""
@@ -78,6 +90,8 @@ def to_argv(config: TrainConfig) -> list[str]:
             continue
         if value == f.default and type(value) is type(f.default):
             continue
+        if isinstance(value, (list, tuple)):  # a repeatable flag's values from Python (logger=["csv", "wandb"])
+            value = ",".join(map(str, value))
         # repr: the shortest text that parses back to the same float (numpy floats print their type)
         argv.append(f"{flag_name(f)}={float(value)!r}" if isinstance(value, float) else f"{flag_name(f)}={value}")
     return argv

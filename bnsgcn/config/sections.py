@@ -28,6 +28,7 @@ NONZERO_ROWS = ("auto", "on", "off")
 NORMS = ("layer", "batch", "none")
 OPTIMIZERS = ("adam", "adamw", "sgd")  # what bnsgcn.nn.optim builds
 LR_SCHEDULES = ("none", "cosine", "step", "plateau")
+LOGGERS = ("tensorboard", "wandb", "csv")  # what bnsgcn.metrics.loggers makes
 
 
 def setting(default, help: str, *, flag: str | None = None, **argparse_options):
@@ -263,8 +264,28 @@ class RunConfig:
         False, "start anew in an --out that holds an earlier run, moving that run into <out>/previous-<n>/"
     )
     log_json: Path | None = setting(None, "also write the per-epoch JSON lines here", type=Path, shown="none")
+    logger: str | None = setting(
+        None,
+        "tensorboard | wandb | csv: experiment loggers rank 0 sends every epoch's figures to, several comma-separated "
+        "(tensorboard,csv) or by repeating the flag",
+        type=str,
+        metavar="NAME[,NAME...]",
+        shown="none",
+        joined=True,
+    )
+    wandb_project: str = setting("bnsgcn", "wandb: the W&B project the run is logged to")
+    run_name: str | None = setting(None, "wandb: the run's name in W&B", type=str, shown="the run directory's name")
     timeout: float = setting(300.0, "seconds any collective may wait before the job fails")
     debug: bool = setting(False, "show tracebacks")
+
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """The experiment loggers ``--logger`` names, each once, in order: a comma-separated text (the
+        command line), or a list of names (Python). Checked by :func:`bnsgcn.config.validate`."""
+        if self.logger is None:
+            return ()
+        names = self.logger.split(",") if isinstance(self.logger, str) else self.logger
+        return tuple(dict.fromkeys(str(name).strip() for name in names))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ COLUMNS = (
     # the L2 norm of the gradients of the epoch's step (summed over the steps of a --work-pool
     # epoch): with the loss, what tells a run gone non-finite
     + ("grad_norm",)
+    # this process's peak memory so far, at the epoch's end (peak_memory_bytes below)
+    + ("peak_memory_bytes",)
 )
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -160,6 +162,13 @@ def peak_memory(device: torch.device) -> dict[str, int]:
         figures["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         figures["peak_cuda_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return figures
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far as the report's "peak memory" counts it: the device's allocated peak on
+    CUDA, the resident set's on CPU."""
+    figures = peak_memory(device)
+    return figures.get("peak_cuda_allocated_bytes", figures["peak_rss_bytes"])
 
 
 def resident_bytes() -> int:

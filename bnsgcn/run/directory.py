@@ -1,7 +1,7 @@
 """Whether a run directory holds an earlier run, and moving that run aside (``--force``).
 
-A directory holds a run when it has any file a run writes at its top (:data:`RUN_FILES`) or
-a checkpoint under ``checkpoints/``; other files (notes, a partition set) do not count and
+A directory holds a run when it has any file or folder a run writes at its top (:data:`RUN_FILES`)
+or a checkpoint under ``checkpoints/``; other files (notes, a partition set) do not count and
 are never moved. A new run into it without ``--resume`` would replace or mix with those
 files, so it is refused, unless ``--force`` moves them into ``<out>/previous-<n>/`` first
 (the first ``n`` free): inside ``--out``, so on the same file system (each file is renamed,
@@ -15,10 +15,22 @@ import os
 from pathlib import Path
 
 from bnsgcn.errors import UserError
+from bnsgcn.metrics.loggers import CSV_NAME, TENSORBOARD_DIR, WANDB_DIR
 from bnsgcn.metrics.report import FIGURES, REPORT_NAME
 from bnsgcn.run import checkpoint
 
-RUN_FILES = ("config.json", "log.txt", "metrics.jsonl", REPORT_NAME, "best_model.pt", *FIGURES)
+# with the experiment loggers' file and folders (--logger)
+RUN_FILES = (
+    "config.json",
+    "log.txt",
+    "metrics.jsonl",
+    REPORT_NAME,
+    "best_model.pt",
+    *FIGURES,
+    CSV_NAME,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
 
 
 def earlier_run(run_dir: Path) -> list[str]:

@@ -57,10 +57,12 @@ from bnsgcn.metrics.accounting import (
     COLUMNS,
     INDEX,
     EpochAccount,
+    peak_memory_bytes,
     resident_bytes,
     static_figures,
 )
 from bnsgcn.metrics.log import MetricsWriter, setup_logging
+from bnsgcn.metrics.loggers import Loggers, make_loggers
 from bnsgcn.metrics.progress import Progress, step
 from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
@@ -273,56 +275,58 @@ class Best:
 def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> tuple[dict, Callable[[], None]]:
     job = _setup(config, comm)
     start_epoch, best = _resume(job)
-    metrics = _open_run_files(job, start_epoch)
-    comm.stats.reset()  # setup traffic is not an epoch's
-    progress = Progress(config.run.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
-    tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
-    gathered = EpochTables(comm, job.sync.decoupled)
-    started = time.perf_counter()
-    last_loss = float("nan")
-    for epoch in range(start_epoch, config.run.epochs):
-        comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
-        account = EpochAccount(comm.device)
-        scores = None
-        # where every rank meets: every epoch, or with a decoupled --sync only before
-        # evaluations, checkpoints and the end, where parameters are averaged first
-        scheduled = config.evaluation.due(epoch + 1, config.run.epochs) or config.checkpoint.due(epoch + 1)
-        sync_point = job.sync.is_sync_point(scheduled)
-        job.optimization.start_epoch(epoch)  # the epoch's learning rate
-        with account.timed("epoch"):  # device time on CUDA (bnsgcn.metrics.timing)
-            with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
-                if job.pool is not None:
-                    _pool_epoch(job, epoch, account)
-                else:
-                    _train_epoch(job, epoch, account)
-            if sync_point and job.sync.decoupled:
-                with account.timed("sync"):
-                    job.sync.average_all()
-            if config.evaluation.due(epoch + 1, config.run.epochs):
-                with account.timed("evaluation"):
-                    job.exchange.release()  # training's buffers are idle until the next epoch
-                    if job.buffers is not None:
-                        job.buffers.clear()
-                    scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
-                best.update(epoch + 1, scores, job.model)
-                if config.evaluation.every and (epoch + 1) % config.evaluation.every == 0:
-                    # not the evaluation a run adds after its last epoch: an uninterrupted run has none there
-                    job.optimization.evaluated(epoch + 1, scores["val_score"])
-        account.values["elapsed"] = time.perf_counter() - started
-        account.take_comm(comm)
-        for done, table in gathered.collect(epoch + 1, account, sync_point):
-            _refuse_non_finite(done, table)
-            tables.append(table)
-            last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
-            lr = job.optimization.lrs.pop(done)
-            _write_epoch(job, metrics, done, last_loss, lr, table, scores if done == epoch + 1 else None)
-        _checkpoint(job, epoch + 1, best)
-        progress.update()
-        if stop is not None and sync_point and (signum := stop.agreed(comm)):
-            _stop(job, epoch + 1, best, signum)
-    progress.close()
-    job.exchange.close()  # nothing in flight when the groups close
-    return _finish(job, metrics, best, tables, last_loss)
+    metrics, loggers = _open_run_files(job, start_epoch)
+    with loggers:  # closed also when the run fails: a tracker then marks the run failed
+        comm.stats.reset()  # setup traffic is not an epoch's
+        progress = Progress(config.run.epochs - start_epoch, "epochs", enabled=comm.rank == 0)
+        tables: list[Tensor] = []  # every epoch's figures of every rank (the report takes medians)
+        gathered = EpochTables(comm, job.sync.decoupled)
+        started = time.perf_counter()
+        last_loss = float("nan")
+        for epoch in range(start_epoch, config.run.epochs):
+            comm.report_progress(f"epoch {epoch + 1}")  # for the others to name this rank if it hangs
+            account = EpochAccount(comm.device)
+            scores = None
+            # where every rank meets: every epoch, or with a decoupled --sync only before
+            # evaluations, checkpoints and the end, where parameters are averaged first
+            scheduled = config.evaluation.due(epoch + 1, config.run.epochs) or config.checkpoint.due(epoch + 1)
+            sync_point = job.sync.is_sync_point(scheduled)
+            job.optimization.start_epoch(epoch)  # the epoch's learning rate
+            with account.timed("epoch"):  # device time on CUDA (bnsgcn.metrics.timing)
+                with pooled(job.buffers):  # kernel outputs reused (bnsgcn.kernels.buffers)
+                    if job.pool is not None:
+                        _pool_epoch(job, epoch, account)
+                    else:
+                        _train_epoch(job, epoch, account)
+                if sync_point and job.sync.decoupled:
+                    with account.timed("sync"):
+                        job.sync.average_all()
+                if config.evaluation.due(epoch + 1, config.run.epochs):
+                    with account.timed("evaluation"):
+                        job.exchange.release()  # training's buffers are idle until the next epoch
+                        if job.buffers is not None:
+                            job.buffers.clear()
+                        scores = _evaluate(job.model, job.eval_inputs, job.shard, comm, job.evaluation)
+                    best.update(epoch + 1, scores, job.model)
+                    if config.evaluation.every and (epoch + 1) % config.evaluation.every == 0:
+                        # not the evaluation a run adds after its last epoch: an uninterrupted run has none there
+                        job.optimization.evaluated(epoch + 1, scores["val_score"])
+            account.values["elapsed"] = time.perf_counter() - started
+            account.values["peak_memory_bytes"] = peak_memory_bytes(comm.device)
+            account.take_comm(comm)
+            for done, table in gathered.collect(epoch + 1, account, sync_point):
+                _refuse_non_finite(done, table)
+                tables.append(table)
+                last_loss = float(table[:, INDEX["loss_sum"]].sum()) / job.global_train
+                lr = job.optimization.lrs.pop(done)
+                _write_epoch(job, metrics, loggers, done, last_loss, lr, table, scores if done == epoch + 1 else None)
+            _checkpoint(job, epoch + 1, best)
+            progress.update()
+            if stop is not None and sync_point and (signum := stop.agreed(comm)):
+                _stop(job, epoch + 1, best, signum)
+        progress.close()
+        job.exchange.close()  # nothing in flight when the groups close
+        return _finish(job, metrics, loggers, best, tables, last_loss)
 
 
 def _compile_kernels(comm: Comm) -> None:
@@ -524,11 +528,12 @@ def _resume(job: Job) -> tuple[int, Best]:
     return state["epoch"], Best(**state["best"])
 
 
-def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
-    """Rank 0 writes config.json and opens metrics.jsonl (keeping the epochs a resumed
-    checkpoint covers)."""
+def _open_run_files(job: Job, start_epoch: int) -> tuple[MetricsWriter | None, Loggers]:
+    """Rank 0 writes config.json, opens metrics.jsonl and starts the experiment loggers
+    (``--logger``; each keeping the epochs a resumed checkpoint covers); the other ranks
+    log nothing."""
     if job.comm.rank != 0:
-        return None
+        return None, Loggers()
     comm = job.comm
     layout = {
         "world_size": comm.world_size,
@@ -536,14 +541,14 @@ def _open_run_files(job: Job, start_epoch: int) -> MetricsWriter | None:
         "ranks_per_node": [len(m) for m in comm.nodes.members],
         "launch": launch_info(),
     }
+    settings = job.resolved.to_json() | layout
     # ASCII: json.dumps escapes the rest (an --out whose name is not UTF-8 included)
-    files.write_bytes(
-        job.run_dir / "config.json", (json.dumps(job.resolved.to_json() | layout, indent=1) + "\n").encode()
-    )
-    return MetricsWriter(
+    files.write_bytes(job.run_dir / "config.json", (json.dumps(settings, indent=1) + "\n").encode())
+    metrics = MetricsWriter(
         [job.run_dir / "metrics.jsonl"] + ([job.config.run.log_json] if job.config.run.log_json else []),
         keep_epochs=start_epoch,
     )
+    return metrics, make_loggers(job.config, job.run_dir, settings, keep_epochs=start_epoch)
 
 
 def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
@@ -652,17 +657,20 @@ def _refuse_non_finite(epoch: int, table: Tensor) -> None:
 def _write_epoch(
     job: Job,
     metrics: MetricsWriter | None,
+    loggers: Loggers,
     epoch: int,
     loss: float,
     lr: float,
     table: Tensor,
     scores: dict[str, float] | None,
 ) -> None:
-    """Rank 0: the epoch's JSON line, and a log line when it was evaluated."""
+    """Rank 0: the epoch's JSON line, the same record to the experiment loggers, and a log line when it was
+    evaluated."""
     if metrics is None:
         return
-    record = _epoch_record(epoch, loss, table) | {"lr": lr}
-    metrics.write(record | (scores or {}))
+    record = _epoch_record(epoch, loss, table) | {"lr": lr} | (scores or {})
+    metrics.write(record)
+    loggers.log_epoch(record)
     if scores is not None:
         job.log.info(
             "epoch %d loss %.4f train %.4f val %.4f test %.4f (%.3fs/epoch)",
@@ -718,12 +726,12 @@ def _checkpoint(job: Job, epoch: int, best: Best, now: bool = False) -> None:
 
 
 def _finish(
-    job: Job, metrics: MetricsWriter | None, best: Best, tables: list[Tensor], last_loss: float
+    job: Job, metrics: MetricsWriter | None, loggers: Loggers, best: Best, tables: list[Tensor], last_loss: float
 ) -> tuple[dict, Callable[[], None]]:
     """The report (``tables``: every rank's figures, one table per epoch run; the report
-    gives their steady-state medians), the best model and the summary line (rank 0); the
-    summary (every rank), and what is left to do once the ranks have parted: rank 0 draws
-    the report's figures (nothing on the others)."""
+    gives their steady-state medians), the best model and the summary line, also to the
+    experiment loggers (rank 0); the summary (every rank), and what is left to do once the
+    ranks have parted: rank 0 draws the report's figures (nothing on the others)."""
     config, comm, shard = job.config, job.comm, job.shard
     topo = shard.topology
     train, evaluate = job.train_inputs, job.eval_inputs
@@ -783,6 +791,7 @@ def _finish(
                 torch.save(best.state, sink)
         metrics.write(summary)
         metrics.close()
+        loggers.log_summary(summary)
         job.log.info(
             "best val %.4f at epoch %d, test %.4f; run directory %s",
             best.val_score,
@@ -878,6 +887,8 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
             # seconds waiting because they would have been older than allowed
             "lag": [int(v) for v in col("lag").tolist()],
             "lag_wait": col("time_lag_wait").tolist(),
+            # the rank's peak memory so far (device allocated on CUDA, resident set on CPU)
+            "peak_memory_bytes": [int(v) for v in col("peak_memory_bytes").tolist()],
         },
         "bytes_sent": int(sum(col(f"sent_{c}").sum() for c in CATEGORIES)),
         "bytes_received": int(sum(col(f"received_{c}").sum() for c in CATEGORIES)),
