@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from .helpers import reference
+from .helpers.cli import SMALL_RUN, train_without_numba
 from .helpers.device_syncs import instrument_cuda_syncs
 from .helpers.graphs import partition, random_graph
 from .helpers.ranks import run_ranks
@@ -72,6 +73,18 @@ def test_cuda_rank_equals_cpu_rank_and_the_reference(tmp_path, one_part, model, 
     assert rank["device"].startswith("cuda") and rank["peak_cuda_allocated_bytes"] > 0
     assert rank["peak_cuda_reserved_bytes"] >= rank["peak_cuda_allocated_bytes"] and rank["peak_rss_bytes"] > 0
     assert rank["per_epoch"]["epoch_time"] > 0  # device time, from CUDA events
+
+
+def test_a_cuda_job_never_imports_numba(tmp_path, one_part):
+    """Launcher, rank and report of a CUDA job with any import of numba failing: the CPU
+    kernels' compiler is neither imported nor run (tests/test_run_ranks.py runs the same on
+    the CPU's torch kernels)."""
+    _, parts = one_part
+    run_dir = tmp_path / "run"
+    args = ["--gpus", "1", "--parts-dir", str(parts), "--out", str(run_dir), *SMALL_RUN]
+    done = train_without_numba(args, tmp_path, "auto")
+    assert done.code == 0, done.stderr[-3000:]
+    assert json.loads((run_dir / "report.json").read_text())["ranks"][0]["device"].startswith("cuda")
 
 
 def test_sampled_cuda_run_is_finite_and_device_syncs_are_the_documented_ones(tmp_path):

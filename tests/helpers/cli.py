@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kernels
+from . import REPO, kernels
 
 PARTITION = [sys.executable, "-m", "bnsgcn.partition.cli"]
 TRAIN = [sys.executable, "-m", "bnsgcn.launch.cli"]
@@ -110,3 +110,14 @@ def assert_kept(before: dict[str, bytes], directory: Path) -> None:
 def train_on(parts_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     """bnsgcn-train arguments: 2 ranks on ``parts_dir`` into ``run_dir``, the small run, ``extra``."""
     return ["--procs", "2", "--parts-dir", str(parts_dir), "--out", str(run_dir), *SMALL_RUN, *extra]
+
+
+def train_without_numba(args: list[str], cwd: Path, kernels: str) -> Outcome:
+    """bnsgcn-train ``args`` with ``BNSGCN_KERNELS=kernels`` where any import of numba, in
+    any process of the job, fails."""
+    blocker = cwd / "numba-blocker"
+    blocker.mkdir()
+    (blocker / "numba.py").write_text("raise ImportError('numba imported by a job on the torch kernels')\n")
+    env = clean_env(BNSGCN_KERNELS=kernels, PYTHONPATH=os.pathsep.join([str(blocker), str(REPO)]))
+    done = subprocess.run([*TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    return Outcome(done.returncode, done.stdout, done.stderr)
