@@ -14,7 +14,7 @@
   fast ranks run ahead (their recorded lag exceeds 1 at some epoch, never 3), they wait for
   the slow rank and it hardly waits for them, and the job ends with one model;
 * without injected delay a fixed seed repeats what can be repeated: the versions used depend
-  on timing, so two runs agree exactly up to the first epoch where either used an older
+  on timing, so two runs agree (to float32 rounding) up to the first epoch where either used an older
   version than the previous epoch's (per-rank lag above 1; see docs/training.md);
 * a rank killed or hung ends the job with the rank named;
 * bad flag combinations are one-line errors (parser, launcher); ``--exchange auto`` on a
@@ -293,8 +293,11 @@ def test_fast_ranks_run_ahead_of_a_slow_rank_within_the_bound(parts, tmp_path, s
 
 def test_a_seed_repeats_while_every_rank_used_the_previous_epochs_versions(parts, tmp_path):
     """Which version a rank uses depends on what has arrived: two runs with S = 3 agree
-    exactly (with S = 1 too) up to the first epoch where some rank used an older version
-    than the previous epoch's; without delays that is rare, and the records say where."""
+    (with S = 1 too) up to the first epoch where some rank used an older version than the
+    previous epoch's; without delays that is rare, and the records say where. Agree to
+    float32 rounding: in one run of 30 to 100 here some rank's loss sum differs in its last
+    place at a few epochs with every lag at 1 (the epochs between are equal), while an older
+    version moved the loss by about 1e-2, far above the tolerance."""
     one = config(parts, tmp_path / "one", max_lag=1, epochs=10)
     first, second = one.replace(max_lag=3, out=tmp_path / "a"), one.replace(max_lag=3, out=tmp_path / "b")
     run_ranks(WORLD, [one, first, second])
@@ -307,7 +310,7 @@ def test_a_seed_repeats_while_every_rank_used_the_previous_epochs_versions(parts
         print(
             f"{job.run.out.name}: lag per epoch {lags}; equal to S = 1 for {same} of {len(lags)} epochs"
         )  # pytest -rP
-        assert losses_of(job.run.out)[:same] == reference[:same]
+        np.testing.assert_allclose(losses_of(job.run.out)[:same], reference[:same], rtol=1e-6, atol=0)
 
 
 # --- failures ------------------------------------------------------------------------------------
