@@ -227,7 +227,11 @@ def test_pooling_changes_nothing_with_sampling_and_dropout(tmp_path):
         ]
         for name in ("pooled", "plain")
     ]
-    assert losses[0] == losses[1] and len(losses[0]) == 5
+    # to float32 rounding: rarely, with or without the pool, a multi-rank run's loss differs
+    # from another's in the last place of one rank's loss sum at some epoch (see test_lag's
+    # seed test); a block handed out while still in use would move it by far more
+    assert len(losses[0]) == 5
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6, atol=0)
     for rank in range(2):
         for name, value in pooled_run[rank][0]["params"].items():
             assert np.array_equal(value, plain_run[rank][0]["params"][name]), name
