@@ -5,6 +5,7 @@ inference in one process."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from bnsgcn.nn.model import GNN
 from bnsgcn.partition.graph import Graph
 from bnsgcn.run.inference import load_model, read_whole_graph, whole_graph_logits
 from bnsgcn.run.predict import PredictRequest, check_request, run, trained_on
+from tests.helpers import kernels
+from tests.helpers.cli import assert_user_error, run_cli
 from tests.helpers.graphs import partition, random_graph
 from tests.helpers.ranks import run_ranks
 
@@ -160,3 +163,18 @@ def test_predict_refuses_bad_input_with_one_line(runs, tmp_path):
 def test_the_partition_step_records_the_features_preprocessing(runs):
     _, _, parts, _, _ = runs
     assert read_manifest(parts)["dataset"]["feature_preprocessing"] == {"kind": ROW_NORMALISE}
+
+
+PREDICT = [sys.executable, "-m", "bnsgcn.launch.predict"]
+
+
+def test_the_command_writes_npy_files_and_refuses_bad_input_with_one_line(runs, tmp_path):
+    _, _, _, dirs, outputs = runs
+    kernels.compiled()
+    outcome = run_cli(PREDICT, [str(dirs["gat"]), "--procs", "2", "--out", str(tmp_path / "gat.npy")], tmp_path)
+    assert outcome.code == 0, outcome.stderr
+    assert np.array_equal(np.load(tmp_path / "gat.npy"), outputs["gat"][0]["logits"].numpy())
+    assert np.array_equal(np.load(tmp_path / "gat.predictions.npy"), outputs["gat"][0]["predictions"].numpy())
+    refused = run_cli(PREDICT, [str(dirs["gat"]), "--embeddings", "7"], tmp_path)
+    assert_user_error(refused, "--embeddings 7 is out of range")
+    assert not (dirs["gat"] / "predictions.pt").exists()

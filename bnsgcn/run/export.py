@@ -9,9 +9,9 @@ float32 [N, C] of the model the run kept (``best_model.pt``), computed as evalua
   ``dataset.feature_preprocessing``, copied into the run's config.json): none, row
   normalisation (``x / x.sum(1)``, rows summing to 0 kept), or standardisation
   (``(x - mean) / std``, the statistics from the set's ``feature_stats.npz``, kept as buffers);
-* self-loops: those in ``edge_index`` are dropped and one per node added, as the partition
-  step does; an edge listed twice counts twice (the partition step keeps one of each, and
-  makes a directed graph symmetric: pass both directions of an undirected edge);
+* the edges as the partition step keeps them: each once, self-loops in ``edge_index``
+  dropped and one per node added (the partition step also makes a directed graph
+  symmetric, which this does not: pass both directions of an undirected edge);
 * each layer's normalisation by in-degrees (self-loop included): GCN's
   ``1 / sqrt(deg(u) deg(v))``, GraphSAGE's mean ``1 / deg(v)``, GAT's attention softmax over
   each node's in-edges; the norms (layer norm, batch norm's running statistics) and
@@ -68,11 +68,12 @@ class Edges:
     def __init__(self, edge_index: Tensor, num_nodes: int) -> None:
         if edge_index.dim() != 2 or edge_index.shape[0] != 2:
             raise UserError(f"edge_index has shape {list(edge_index.shape)}; pass int64 [2, E] (source, target)")
-        edge_index = edge_index.to(torch.int64)
-        kept = edge_index[:, edge_index[0] != edge_index[1]]
+        src, dst = edge_index.to(torch.int64)
+        # as the partition step: each edge once (one int64 key per edge), no self-loop of its own
+        keys = torch.unique(dst[src != dst] * num_nodes + src[src != dst])
         loops = torch.arange(num_nodes, device=edge_index.device)
-        self.src = torch.cat([kept[0], loops])
-        self.dst = torch.cat([kept[1], loops])
+        self.src = torch.cat([keys % num_nodes, loops])
+        self.dst = torch.cat([keys // num_nodes, loops])
         self.num_nodes = num_nodes
         self.degree = torch.bincount(self.dst, minlength=num_nodes).to(torch.float32)
 
