@@ -26,7 +26,7 @@ from bnsgcn.run.provenance import new_run_dir
 
 from .cli import build_parser, prepare_local_ranks
 from .environment import launch_record
-from .supervisor import supervise_outcome
+from .supervisor import Outcome, supervise_outcome
 
 if TYPE_CHECKING:
     import torch
@@ -145,14 +145,19 @@ def train(
             break
         except FileExistsError:
             continue
-    outcome = supervise_outcome(children)
+    raise_for_outcome(supervise_outcome(children))
+    return Result.read(named.run.out)
+
+
+def raise_for_outcome(outcome: Outcome) -> None:
+    """Once the ranks are done: let an interrupting signal through to the caller, or raise
+    :class:`RankFailed` for a failed rank."""
     if outcome.signum is not None:
         # every rank has stopped: the signal now does what it would have done to the caller
         signal.raise_signal(outcome.signum)
         raise KeyboardInterrupt(outcome.message)
     if outcome.status:
         raise RankFailed(outcome.message, outcome.status)
-    return Result.read(named.run.out)
 
 
 def _launch_record() -> dict:

@@ -225,13 +225,14 @@ def resume_after_restart(config: TrainConfig, environ: Mapping[str, str], announ
 
 
 def prepare_local_ranks(
-    args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT
+    args: argparse.Namespace, argv: Sequence[str], search_root: Path = DEFAULT_SEARCH_ROOT, prog: str = PROG
 ) -> list[Child]:
     """Check everything that can fail before training and return this machine's ranks.
 
     Ranks ``node_rank * N + i`` for ``i < N`` of ``nnodes * N``; every child gets the
     training flags plus the resolved ``--parts-dir``, ``--device`` and ``--threads``
-    (and ``--resume`` after a restart, see :func:`resume_after_restart`).
+    (and ``--resume`` after a restart, see :func:`resume_after_restart`). ``prog`` names the
+    command in what it prints.
     """
     check_launch_flags(args)
     check_one_launcher_per_node(os.environ, args.nnodes)
@@ -329,7 +330,7 @@ def prepare_local_ranks(
     first = args.node_rank * local
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
     print(
-        f"{PROG}: starting {ranks} of {world_size} on {device} "
+        f"{prog}: starting {ranks} of {world_size} on {device} "
         f"({threads} thread{'s' if threads > 1 else ''} per rank), master {master_addr}:{port}",
         flush=True,
     )

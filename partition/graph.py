@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,6 +15,9 @@ class Graph:
     the sources ``u`` of the edges ``u -> v``, ascending. Canonical means symmetric, no
     self-loops, no duplicate edges (see :func:`canonical_csr`); self-loops are added back
     by the partition writer.
+
+    ``feature_preprocessing`` says what the loader did to the features (``{"kind": "none"}``: used
+    as given); a loader that standardises puts the statistics in ``feature_stats``.
 
     Shapes: ``indptr`` int64 [N+1], ``indices`` int32 [E] (E counts each direction),
     ``features`` float32 [N, F], ``labels`` int64 [N] or uint8 [N, C] when ``multilabel``,
@@ -32,6 +35,10 @@ class Graph:
     num_classes: int
     multilabel: bool = False
     symmetrized: bool = False  # True when the source graph was directed
+    # what the loader did to the features: the manifest's dataset.feature_preprocessing
+    # (docs/partition-format.md); ``feature_stats`` the arrays its "standardise" needs (mean, std)
+    feature_preprocessing: dict = field(default_factory=lambda: {"kind": "none"})
+    feature_stats: dict[str, np.ndarray] | None = None
 
     @property
     def num_nodes(self) -> int:

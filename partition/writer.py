@@ -86,6 +86,7 @@ def dataset_entry(graph: Graph, spec: str, inputs: list[dict], num_classes_given
         "num_classes_given": num_classes_given,
         "multilabel": bool(graph.multilabel),
         "symmetrized": bool(graph.symmetrized),
+        "feature_preprocessing": graph.feature_preprocessing,
     }
 
 
@@ -293,6 +294,8 @@ def write_partition_set(
     tmp_dir = created[-1]
     try:
         partitions = _write_partitions(graph, assignment, parts, tmp_dir, progress, position)
+        if graph.feature_stats is not None:  # what the features' preprocessing needs again (docs/partition-format.md)
+            np.savez(tmp_dir / graph.feature_preprocessing["file"], **graph.feature_stats)
         manifest = {
             "dataset": dataset_entry(graph, spec, inputs, num_classes_given),
             "parts": parts,

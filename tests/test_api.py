@@ -396,3 +396,5 @@ def test_the_documented_example_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "example" / "best_model.pt").is_file()
     accuracy = re.search(r"^test accuracy ([0-9.]+) = ([0-9.]+)$", done.stdout, re.MULTILINE)
     assert accuracy and float(accuracy[1]) == pytest.approx(float(accuracy[2])), done.stdout
+    assert "predictions agree True" in done.stdout and "export agrees True" in done.stdout, done.stdout
+    assert (tmp_path / "runs" / "example" / "predictions.pt").is_file()

@@ -256,6 +256,14 @@ class Comm:
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj: object, dst: int = 0) -> list | None:
+        """Every rank's ``obj`` on rank ``dst`` (a list by rank); None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        out: list | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         if self.world_size == 1:
             return obj

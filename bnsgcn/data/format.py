@@ -64,6 +64,19 @@ PART_ARRAYS: dict[str, str] = {
 }
 
 
+# dataset.feature_preprocessing: what the dataset's loader did to the features before they were
+# written (docs/partition-format.md). "standardise" keeps its statistics in FEATURE_STATS_FILE
+# at the set's top: float32 arrays "mean" and "std" [F], x' = (x - mean) / std.
+NO_PREPROCESSING, ROW_NORMALISE, STANDARDISE = "none", "row_normalise", "standardise"
+FEATURE_STATS_FILE = "feature_stats.npz"
+
+
+def feature_preprocessing(manifest: dict) -> dict:
+    """The set's ``dataset.feature_preprocessing`` entry; ``{"kind": "unknown"}`` for a set
+    written before the entry existed."""
+    return manifest["dataset"].get("feature_preprocessing") or {"kind": "unknown"}
+
+
 def part_dir_name(part: int) -> str:
     return f"part-{part}"
 

@@ -70,6 +70,7 @@ from bnsgcn.nn.model import GNN
 from bnsgcn.nn.optim import Optimization, make_optimization
 from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
+from bnsgcn.run.predict import trained_on
 from bnsgcn.run.provenance import launch_info, new_run_dir
 from bnsgcn.run.stopping import StopRequest, stop_on_signals
 from bnsgcn.sync.averaging import (
@@ -541,7 +542,7 @@ def _open_run_files(job: Job, start_epoch: int) -> tuple[MetricsWriter | None, L
         "ranks_per_node": [len(m) for m in comm.nodes.members],
         "launch": launch_info(),
     }
-    settings = job.resolved.to_json() | layout
+    settings = job.resolved.to_json() | layout | trained_on(job.shard.manifest)
     # ASCII: json.dumps escapes the rest (an --out whose name is not UTF-8 included)
     files.write_bytes(job.run_dir / "config.json", (json.dumps(settings, indent=1) + "\n").encode())
     metrics = MetricsWriter(

@@ -243,6 +243,8 @@ def build_graph(
     progress: Progress,
     multilabel: bool = False,
     symmetrized: bool | None = None,
+    feature_preprocessing: dict | None = None,
+    feature_stats: dict[str, np.ndarray] | None = None,
 ) -> Graph:
     """Validate what a loader read and return the canonical :class:`Graph`.
 
@@ -252,6 +254,8 @@ def build_graph(
         masks: (train, val, test), bool [N] each, pairwise disjoint, train non-empty.
         source: what the user should look at when something is wrong (file or dataset).
         symmetrized: whether the source graph was directed; None: decided from the edges.
+        feature_preprocessing, feature_stats: what the loader did to the features (see
+            :class:`~bnsgcn.partition.graph.Graph`); None: nothing.
     """
     num_nodes = features.shape[0] if features.ndim == 2 else -1
     features = check_features(features, num_nodes, source)
@@ -278,6 +282,8 @@ def build_graph(
         num_classes=int(num_classes),
         multilabel=multilabel,
         symmetrized=was_directed if symmetrized is None else symmetrized,
+        feature_preprocessing=feature_preprocessing or {"kind": "none"},
+        feature_stats=feature_stats,
     )
 
 

@@ -29,6 +29,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from bnsgcn.data.format import ROW_NORMALISE
 from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph
 
@@ -201,5 +202,14 @@ def read_planetoid(name: str, root: Path, progress: Progress) -> Graph:
     masks[2, test_index] = True
     src, dst = _edges(parts["graph"], paths["graph"])
     return build_graph(
-        name, src, dst, features, labels, (masks[0], masks[1], masks[2]), num_classes, f"{name} ({root})", progress
+        name,
+        src,
+        dst,
+        features,
+        labels,
+        (masks[0], masks[1], masks[2]),
+        num_classes,
+        f"{name} ({root})",
+        progress,
+        feature_preprocessing={"kind": ROW_NORMALISE},
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bnsgcn.data.format import FEATURE_STATS_FILE, STANDARDISE
 from bnsgcn.errors import UserError
 from bnsgcn.partition.graph import Graph
 
@@ -87,13 +88,15 @@ def _read_splits(path: Path, num_nodes: int) -> tuple[np.ndarray, np.ndarray, np
     return read_split_masks(num_nodes, splits, str(path))
 
 
-def standardise(features: np.ndarray, train_mask: np.ndarray) -> np.ndarray:
-    """Column-wise ``(x - mean) / std`` with the training rows' statistics, float32 [N, F]."""
+def standardise(features: np.ndarray, train_mask: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Column-wise ``(x - mean) / std`` with the training rows' statistics, float32 [N, F], and
+    those statistics (``mean``, ``std`` float32 [F], a zero std as 1)."""
     train_rows = features[train_mask]
     mean = train_rows.mean(axis=0, dtype=np.float64)
     std = train_rows.std(axis=0, dtype=np.float64)
     std[std == 0] = 1.0
-    return (features - mean.astype(np.float32)) / std.astype(np.float32)
+    stats = {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
+    return (features - stats["mean"]) / stats["std"], stats
 
 
 def locate_saint(name: str, data_dir: Path | None) -> DatasetSource:
@@ -123,8 +126,9 @@ def read_saint(graph_name: str, root: Path, progress: Progress) -> Graph:
     with progress.step(f"reading {root / 'class_map.json'}"):
         labels, num_classes, multilabel = _read_labels(root / "class_map.json", num_nodes)
     masks = _read_splits(root / "role.json", num_nodes)
+    stats = None
     if masks[0].any():  # an empty training split is reported by build_graph
-        features = standardise(features, masks[0])
+        features, stats = standardise(features, masks[0])
     return build_graph(
         graph_name,
         src,
@@ -136,4 +140,6 @@ def read_saint(graph_name: str, root: Path, progress: Progress) -> Graph:
         f"{graph_name} ({root})",
         progress,
         multilabel=multilabel,
+        feature_preprocessing={"kind": STANDARDISE, "file": FEATURE_STATS_FILE} if stats else None,
+        feature_stats=stats,
     )

@@ -83,6 +83,7 @@ def _rank_main(
     nodes: list[int],
     environ: dict[str, str],
     instrument=None,
+    work=None,
 ) -> None:
     local_rank = nodes[:rank].count(nodes[rank])
     # A forked rank inherits the forkserver's environment, not the test's (monkeypatch.setenv)
@@ -104,6 +105,9 @@ def _rank_main(
     try:
         for config, port in zip(configs, ports):
             os.environ["MASTER_PORT"] = str(port)
+            if work is not None:  # another job than training: its result as it is
+                results.append(work(config))
+                continue
             collect = instrument() if instrument else None
             summary = run(config)
             model = summary.pop("model")
@@ -126,14 +130,20 @@ def _rank_context():
 
 
 def run_ranks(
-    world: int, configs: list[TrainConfig], timeout: float = 300, nodes: list[int] | None = None, instrument=None
+    world: int,
+    configs: list[TrainConfig],
+    timeout: float = 300,
+    nodes: list[int] | None = None,
+    instrument=None,
+    work=None,
 ) -> list[list[dict]]:
     """Run each config as a job of ``world`` ranks (processes); return results[rank][config].
 
     ``nodes[r]``: the node rank r plays (``GROUP_RANK``, as a multi-node launch sets it);
     default all on one node. ``instrument``: a module-level function each rank calls before
     each run; it returns a function whose result, after the run, is the result's
-    ``instrumented``.
+    ``instrumented``. ``work``: a module-level function each rank calls with each config
+    instead of training (its return value is the result).
     """
     kernels.compiled()
     ctx = _rank_context()
@@ -142,7 +152,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world, configs, ports, queue, nodes or [0] * world, dict(os.environ), instrument),
+            args=(r, world, configs, ports, queue, nodes or [0] * world, dict(os.environ), instrument, work),
         )
         for r in range(world)
     ]
