@@ -127,7 +127,7 @@ def train(
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise UserError(f"config is {type(config).__name__}; pass a bnsgcn.TrainConfig or settings by name")
-    config = (config or TrainConfig()).replace(**settings)
+    config = _named_model((config or TrainConfig()).replace(**settings))
     if parts is not None:
         config = config.replace(parts_dir=Path(os.fspath(parts)).expanduser())
     launch = [f"--{name}={value}" for name, value in (("procs", procs), ("gpus", gpus)) if value is not None]
@@ -153,6 +153,29 @@ def train(
     if outcome.status:
         raise RankFailed(outcome.message, outcome.status)
     return Result.read(named.run.out)
+
+
+def _named_model(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``model`` given as a class named ``module.path:ClassName`` and
+    ``model_options`` given as a dict written as JSON: what the command takes (the ranks
+    import the class by that name)."""
+    model, options = config.model.name, config.model.options
+    if isinstance(model, type):
+        if model.__module__ == "__main__" or "<locals>" in model.__qualname__:
+            where = "inside a function" if "<locals>" in model.__qualname__ else "in __main__ (a script or a notebook)"
+            raise UserError(
+                f"model={model.__qualname__} is defined {where}, where the ranks cannot import it; define it in a "
+                "module of its own (e.g. my_model.py beside the script) and import it from there"
+            )
+        model = f"{model.__module__}:{model.__qualname__}"
+    elif not isinstance(model, str):
+        raise UserError(f"model is a {type(model).__name__} object; pass a class (model=MyGNN) or a name (model='gcn')")
+    if isinstance(options, dict):
+        try:
+            options = json.dumps(options)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"model_options cannot be written as JSON ({exc}); pass numbers, strings, lists and dicts")
+    return config.replace(model=model, model_options=options)
 
 
 def _launch_record() -> dict:
