@@ -120,6 +120,8 @@ def train(
     starts that many CPU ranks, ``gpus`` that many GPU ranks; neither: one rank per
     partition, on GPUs when there are enough. Without ``out`` the run goes to a new
     ``runs/<timestamp>``. The ranks' output is forwarded to this process's stdout/stderr.
+    ``model`` may be a model class of your own (defined in a module the ranks can import)
+    and ``model_options`` a dict of its keyword arguments (docs/api.md, "Your own model").
 
     Raises :class:`UserError` with the command's one-line message for bad input found before
     any rank starts (an unknown setting is also a ``TypeError``), :class:`RankFailed` when a
