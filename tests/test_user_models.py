@@ -1,8 +1,8 @@
 """Models of the user's own (docs/api.md, "Your own model"): GIN and APPNP, written against the
 public API alone (tests/helpers/user_models.py), equal PyG's layers with the same weights, train
 partition-parallel exactly as a dense single-process reference does, resume bit for bit under
-staleness and int8 rows, learn Cora at p = 0.1 on 4 ranks; a bad --model is one line; the
-documented example runs as written.
+staleness and int8 rows, learn Cora at p = 0.1 on 4 ranks; a bad --model is one line (through
+the command: tests/test_errors.py); the documented example runs as written.
 
 Cora's bars: the test accuracy at the best validation epoch of seed 0 (20 epochs, evaluated every
 10, METIS 4 parts, p = 0.1) must reach 0.62 for both models, about twice the majority class's
@@ -23,7 +23,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +39,7 @@ from bnsgcn.nn.model import build_model
 from bnsgcn.run.inference import WholeGraph, whole_graph_logits
 
 from .helpers import REPO, kernels, reference
-from .helpers.cli import clean_env, run_cli
+from .helpers.cli import clean_env
 from .helpers.graphs import cora_metis, partition, random_graph
 from .helpers.ranks import run_ranks
 from .helpers.user_models import GIN, APPNPNet
@@ -48,7 +47,6 @@ from .helpers.user_models import GIN, APPNPNet
 API_DOC = REPO / "docs" / "api.md"
 GIN_PATH, APPNP_PATH = "tests.helpers.user_models:GIN", "tests.helpers.user_models:APPNPNet"
 GIN_OPTIONS, APPNP_OPTIONS = json.dumps({"eps": 0.25, "train_eps": True}), json.dumps({"K": 3, "alpha": 0.2})
-CONSOLE_TRAIN = str(Path(sys.executable).parent / "bnsgcn-train")  # the installed command
 
 
 # --- the dense references: the same models as matrix algebra over the dense adjacency ------------
@@ -366,15 +364,6 @@ def test_a_model_class_the_ranks_cannot_import_is_refused(tmp_path):
         bnsgcn.train(tmp_path, procs=2, model=GIN(4, 4, 2, 1, 0.0), out=tmp_path / "run")
     with pytest.raises(UserError, match=r"^--precompute applies to the built-in models, but --model is tests\.helpers"):
         bnsgcn.train(tmp_path, procs=2, model=GIN, precompute=True, out=tmp_path / "run")
-
-
-def test_the_command_imports_the_class_from_the_current_directory(tmp_path):
-    """``bnsgcn-train``, a console script, has its own directory on the path, not the current one."""
-    (tmp_path / "bad_models.py").write_text(BAD_MODELS)
-    outcome = run_cli([CONSOLE_TRAIN], ["--procs", "2", "--model", "bad_models:NotAModule"], tmp_path)
-    assert outcome.code == 2 and outcome.last_line == (
-        "error: --model bad_models:NotAModule is a class, not a subclass of torch.nn.Module; name your model's class"
-    ), outcome.stderr
 
 
 # --- the documentation ---------------------------------------------------------------------------
