@@ -164,7 +164,7 @@ def test_gin_and_appnp_equal_pyg_layers_with_the_same_weights():
                 h = pyg.APPNP(model.K, model.alpha)(h, edge_index)
         assert ours.shape == (graph.num_nodes, graph.num_classes)
         torch.testing.assert_close(ours, h, rtol=0, atol=1e-5, msg=lambda m, path=path: f"{path}: {m}")
-        assert (ours - h).abs().max() < 1e-5 and ours.abs().max() > 1e-2, path  # a match, of nonzero logits
+        assert ours.abs().max() > 1e-2, path  # a match of logits that are not all near zero
 
 
 def test_a_forward_that_returns_no_logits_is_refused():
