@@ -120,6 +120,8 @@ def train(
     starts that many CPU ranks, ``gpus`` that many GPU ranks; neither: one rank per
     partition, on GPUs when there are enough. Without ``out`` the run goes to a new
     ``runs/<timestamp>``. The ranks' output is forwarded to this process's stdout/stderr.
+    ``model`` may be a model class of your own (defined in a module the ranks can import)
+    and ``model_options`` a dict of its keyword arguments (docs/api.md, "Your own model").
 
     Raises :class:`UserError` with the command's one-line message for bad input found before
     any rank starts (an unknown setting is also a ``TypeError``), :class:`RankFailed` when a
@@ -127,7 +129,7 @@ def train(
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise UserError(f"config is {type(config).__name__}; pass a bnsgcn.TrainConfig or settings by name")
-    config = (config or TrainConfig()).replace(**settings)
+    config = _named_model((config or TrainConfig()).replace(**settings))
     if parts is not None:
         config = config.replace(parts_dir=Path(os.fspath(parts)).expanduser())
     launch = [f"--{name}={value}" for name, value in (("procs", procs), ("gpus", gpus)) if value is not None]
@@ -158,6 +160,29 @@ def raise_for_outcome(outcome: Outcome) -> None:
         raise KeyboardInterrupt(outcome.message)
     if outcome.status:
         raise RankFailed(outcome.message, outcome.status)
+
+
+def _named_model(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``model`` given as a class named ``module.path:ClassName`` and
+    ``model_options`` given as a dict written as JSON: what the command takes (the ranks
+    import the class by that name)."""
+    model, options = config.model.name, config.model.options
+    if isinstance(model, type):
+        if model.__module__ == "__main__" or "<locals>" in model.__qualname__:
+            where = "inside a function" if "<locals>" in model.__qualname__ else "in __main__ (a script or a notebook)"
+            raise UserError(
+                f"model={model.__qualname__} is defined {where}, where the ranks cannot import it; define it in a "
+                "module of its own (e.g. my_model.py beside the script) and import it from there"
+            )
+        model = f"{model.__module__}:{model.__qualname__}"
+    elif not isinstance(model, str):
+        raise UserError(f"model is a {type(model).__name__} object; pass a class (model=MyGNN) or a name (model='gcn')")
+    if isinstance(options, dict):
+        try:
+            options = json.dumps(options)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"model_options cannot be written as JSON ({exc}); pass numbers, strings, lists and dicts")
+    return config.replace(model=model, model_options=options)
 
 
 def _launch_record() -> dict:

@@ -187,6 +187,19 @@ def require_gpus(needed: int, what: str, fix: str) -> None:
         raise UserError(f"{what} needs {needed} CUDA GPU{'s' if needed > 1 else ''} but this machine has {have}; {fix}")
 
 
+def model_import_root(config: TrainConfig) -> str | None:
+    """With ``--model module.path:ClassName``: the class, imported and checked here before
+    any rank starts (:mod:`bnsgcn.nn.user_model`; importing it loads torch), and the
+    directory its module was imported from, for ranks to import it from wherever they run.
+    None for a built-in model."""
+    if config.model.builtin:
+        return None
+    from bnsgcn.nn.user_model import checked_model_class, import_root
+
+    root = import_root(checked_model_class(config))
+    return None if root is None else str(root)
+
+
 def announce(partition_set: PartitionSet, search_root: Path) -> None:
     print(
         f"{PROG}: using partition set {partition_set.describe()}, the one match under {search_root}/ (--parts-dir "
@@ -238,6 +251,7 @@ def prepare_local_ranks(
     check_one_launcher_per_node(os.environ, args.nnodes)
     search_root = partition_set_location(args, search_root)
     config = from_args(args)
+    model_root = model_import_root(config)
     device = choose_device(args, config)
     local = args.gpus if args.gpus is not None else args.procs
     if args.n_partitions is not None:
@@ -323,6 +337,8 @@ def prepare_local_ranks(
             LAUNCHER_PID_VARIABLE: str(os.getpid()),  # ranks die with this process
         }
     )
+    if model_root is not None:  # the ranks import the model's class as this process did
+        shared_env["PYTHONPATH"] = os.pathsep.join(filter(None, [model_root, shared_env.get("PYTHONPATH")]))
     if args.nnodes == 1 and not shared_env.get(JOB_TOKEN_VARIABLE):
         # the job's keys under a secret only its ranks know (bnsgcn.comm.store); across
         # machines every launcher would need the same one: exported by the user
@@ -357,6 +373,7 @@ def prepare_rank(
         )
     search_root = partition_set_location(args, search_root)
     config = from_args(args)
+    model_import_root(config)
     device = resolve_device(choose_device(args, config), ranks.local_world_size)
     partition_set = choose_partition_set(
         config.data.parts_dir,

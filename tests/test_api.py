@@ -380,7 +380,8 @@ def test_ctrl_c_stops_every_rank(trained, tmp_path):
 
 
 def test_the_documented_example_runs_as_written(tmp_path):
-    (block,) = re.findall(r"```python\n(.*?)```", API_DOC.read_text(), re.DOTALL)
+    section = API_DOC.read_text().split("\n## Example\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     (tmp_path / "example.py").write_text(block)
     kernels.compiled()
     done = subprocess.run(

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +195,7 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         (["--seed", str(2**64)], [f"--seed {2**64} does not fit in 64 bits"]),
         (["--epoch", "2"], ["unknown flag --epoch; did you mean --epochs?"]),
         (["--backend", "nccl"], ["--backend nccl:", "--gpus N (NCCL) or --procs N (gloo)"]),
+        (["--model", "my_gnn:APPNP", "--remat"], ["--remat applies to the built-in models", "drop --remat"]),
     ],
     ids=[
         "unknown-model",
@@ -209,11 +211,27 @@ def test_partition_debug_shows_the_traceback(tmp_path, parts):
         "seed-too-big",
         "abbreviated-flag",
         "original-backend",
+        "remat-with-own-model",
     ],
 )
 def test_train_bad_flags(tmp_path, good_set, good_run, flags, keywords):
     # The flag comes last so that it overrides SMALL_RUN's value.
     expect_train_error(tmp_path, good_set, good_run, train_on(good_set, good_run, *flags), *keywords)
+
+
+def test_train_model_class_that_is_no_module(tmp_path, good_set, good_run):
+    """The installed command, a console script, has its own directory on the path, not the
+    current one: the class is found in the current directory all the same, and refused."""
+    (tmp_path / "my_gnn.py").write_text("def propagate(x, graph):\n    return x\n")
+    command = [str(Path(sys.executable).parent / "bnsgcn-train")]
+    before_set, before_run = snapshot(good_set), snapshot(good_run)
+    outcome = run_cli(command, train_on(good_set, good_run, "--model", "my_gnn:propagate"), tmp_path)
+    assert_user_error(outcome)
+    assert outcome.last_line == (
+        "error: --model my_gnn:propagate is a function, not a subclass of torch.nn.Module; name your model's class"
+    )
+    assert_kept(before_set, good_set)
+    assert_kept(before_run, good_run)
 
 
 def test_train_resume_without_out(tmp_path, good_set, good_run):

@@ -9,6 +9,7 @@ any rank starts and again on every rank (torchrun and srun start ranks directly)
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from bnsgcn.config.sections import (
     EXCHANGES,
     LOGGERS,
     LR_SCHEDULES,
+    MODEL_ARGUMENTS,
+    MODEL_CLASS_PATH,
     MODELS,
     NONZERO_ROWS,
     NORMS,
@@ -35,6 +38,7 @@ from bnsgcn.errors import UserError
 SYNC_KINDS = ("allreduce", "grouped", "partial", "gossip")
 # --logger NAME -> the package it needs (csv needs none); pip installs both with bnsgcn[loggers]
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+OPTIONS_EXAMPLE = """'{"eps": 0.1}'"""  # --model-options as a shell takes it
 DEFAULT_GROUPS = 2  # grouped:G without :N: a fast and a slow group
 
 
@@ -49,8 +53,7 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"--seed {c.seed} does not fit in 64 bits; pass a smaller seed")
     if not 0.0 <= c.p <= 1.0:
         raise UserError(f"--p {c.p} is outside [0, 1]; pass a probability such as --p 0.1")
-    if c.model not in MODELS:
-        raise UserError(f"unknown model {c.model!r}; choose --model from {', '.join(MODELS)}")
+    _check_model(config)
     if c.norm not in NORMS:
         raise UserError(f"unknown norm {c.norm!r}; choose --norm from {', '.join(NORMS)}")
     for flag, value in (
@@ -140,6 +143,45 @@ def _check_loggers(run: RunConfig) -> None:
             raise UserError(
                 f"{flag} is for the W&B logger, but --logger has no wandb; add --logger wandb or drop {flag}"
             )
+
+
+def _check_model(config: TrainConfig) -> None:
+    """``--model`` (a built-in name or ``module.path:ClassName``) and what only one kind
+    takes, in one line each. Whether the class can be imported and built is checked where
+    it is (:mod:`bnsgcn.nn.user_model`): importing it may import torch."""
+    m = config.model
+    if not isinstance(m.name, str) or not (m.builtin or MODEL_CLASS_PATH.fullmatch(m.name)):
+        raise UserError(
+            f"unknown model {m.name!r}; choose --model from {', '.join(MODELS)}, or name a model class of your own as "
+            "module.path:ClassName"
+        )
+    if m.builtin:
+        if m.options is not None:
+            raise UserError(
+                f"--model-options passes keyword arguments to a model class of your own, but --model is {m.name}; drop "
+                "--model-options"
+            )
+        return
+    for flag, given in (("--precompute", m.precompute), ("--remat", m.remat)):
+        if given:
+            raise UserError(
+                f"{flag} applies to the built-in models, but --model is {m.name}, a class of your own; drop {flag}"
+            )
+    if m.options is None:
+        return
+    try:
+        options = json.loads(m.options)
+    except (TypeError, ValueError) as exc:
+        raise UserError(
+            f"--model-options {m.options} is not JSON text ({exc}); pass an object, e.g. {OPTIONS_EXAMPLE}"
+        ) from None
+    if not isinstance(options, dict):
+        raise UserError(f"--model-options {m.options} is not a JSON object; pass one, e.g. {OPTIONS_EXAMPLE}")
+    if taken := sorted(set(options) & set(MODEL_ARGUMENTS)):
+        raise UserError(
+            f"--model-options names {taken[0]}, which bnsgcn passes itself (from --layers, --hidden, --dropout and the "
+            "data); set it with its flag instead"
+        )
 
 
 def _check_optimizer(c: SimpleNamespace) -> None:

@@ -15,13 +15,19 @@ to every refused flag.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bnsgcn.errors import UnknownSetting
 
 MODELS = ("graphsage", "gat", "gcn")
+# --model module.path:ClassName, a model class of the user's own (docs/api.md, "Your own model")
+MODEL_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# the keyword arguments such a class is built with, PyG's names for them (and --model-options' own)
+MODEL_ARGUMENTS = ("in_channels", "hidden_channels", "out_channels", "num_layers", "dropout")
 WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.comm.wire encodes
 EXCHANGES = ("direct", "hierarchical", "auto")
 NONZERO_ROWS = ("auto", "on", "off")
@@ -54,7 +60,17 @@ class DataConfig:
 class ModelConfig:
     """The GNN: its kind, its shape and what its forward pass keeps."""
 
-    name: str = setting("graphsage", "graphsage | gat | gcn", flag="--model")
+    name: str = setting(
+        "graphsage", "graphsage | gat | gcn, or a model class of your own as module.path:ClassName", flag="--model"
+    )
+    options: str | None = setting(
+        None,
+        "a model class of your own: more keyword arguments for its constructor, as a JSON object",
+        flag="--model-options",
+        type=str,
+        metavar="JSON",
+        shown="none",
+    )
     layers: int = setting(3, "number of GNN layers")
     hidden: int = setting(256, "hidden width (per head for gat)")
     heads: int = setting(4, "attention heads for gat")
@@ -70,6 +86,16 @@ class ModelConfig:
         "recompute each layer's aggregation (and the norm before it) in backward instead of keeping it: "
         "less memory, about one more forward pass of compute",
     )
+
+    @property
+    def builtin(self) -> bool:
+        """One of the built-in models (else a class of the user's own, ``module.path:ClassName``)."""
+        return self.name in MODELS
+
+    @property
+    def keyword_options(self) -> dict:
+        """``--model-options`` as keyword arguments ({} without; checked by :func:`bnsgcn.config.validate`)."""
+        return json.loads(self.options) if self.options else {}
 
     @property
     def use_precompute(self) -> bool:
@@ -350,7 +376,9 @@ class TrainConfig:
         """The settings a checkpoint must agree on to be resumed."""
         keys = ("model", "layers", "hidden", "heads", "norm", "inductive", "staleness", "stale_smoothing")
         flat = self.settings()
-        return {k: flat[k] for k in keys} | {"precompute": self.model.use_precompute}
+        # a class of the user's own is built with its options too (a built-in model takes none)
+        options = {"model_options": self.model.keyword_options} if self.model.options else {}
+        return {k: flat[k] for k in keys} | options | {"precompute": self.model.use_precompute}
 
 
 def flag_name(f: dataclasses.Field) -> str:

@@ -36,6 +36,16 @@ def csr_problem(indptr: Tensor, indices: Tensor, n_cols: int) -> str | None:
     return None
 
 
+def kept_entries(values: Tensor, keep: Tensor, count: int | None = None) -> Tensor:
+    """``values[keep]`` for a bool ``keep`` of ``values``' length; with ``count`` (how many are
+    kept, known on the host) without reading the device."""
+    if count is None:
+        return values[keep]
+    from .torch_backend import _compact
+
+    return _compact(values, keep, torch.cumsum(keep, 0) - 1, count)
+
+
 class Adjacency:
     r"""Sparse matrix :math:`A \in \mathbb{R}^{n_{rows} \times n_{cols}}` in CSR with its transpose.
 
@@ -212,14 +222,25 @@ class Adjacency:
         kept = kernel_backend(self.device).select_columns(self, keep, sizes)
         kept.row_scale = self.row_scale
         if self.col_scale is not None:  # the kept columns' scales, in order (sizes known: no device read)
-            from .torch_backend import _compact
-
-            kept.col_scale = (
-                self.col_scale[keep]
-                if sizes is None
-                else _compact(self.col_scale, keep, torch.cumsum(keep, 0) - 1, sizes[0])
-            )
+            kept.col_scale = kept_entries(self.col_scale, keep, None if sizes is None else sizes[0])
         return kept
+
+    def with_scales(self, row_scale: Tensor | None, col_scale: Tensor | None) -> Adjacency:
+        """The same pattern and values (shared, not copied) under other scale vectors
+        ``row_scale`` [n_rows] and ``col_scale`` [n_cols] (None: all ones): another
+        normalisation of the same matrix, O(1)."""
+        return Adjacency(
+            self.indptr,
+            self.indices,
+            self.values,
+            self.t_indptr,
+            self.t_indices,
+            self.t_edge,
+            self.t_values,
+            self.n_cols,
+            row_scale,
+            col_scale,
+        )
 
     def to(self, device: torch.device | str) -> Adjacency:
         """Copy of every tensor on ``device``."""

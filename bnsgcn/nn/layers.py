@@ -21,6 +21,7 @@ from bnsgcn.config import TrainConfig
 from bnsgcn.data.shard import Topology
 from bnsgcn.kernels.dense import linear_pair, linear_sum
 from bnsgcn.nn.graph import EpochGraph, ShardGraph
+from bnsgcn.nn.user_model import load_model_class
 
 
 def narrow_aggregation(lin: nn.Linear) -> bool:
@@ -49,7 +50,7 @@ class SAGEConv(nn.Module):
     then cross as their nonzero entries, which a product's rows may not).
     """
 
-    normalization = "mean"  # A[v, u] = 1 / deg(v) (bnsgcn.nn.graph.degree_scales)
+    reduce = "mean"  # A[v, u] = 1 / deg(v) (bnsgcn.nn.graph.degree_scales)
     attention = False
     activation = staticmethod(F.relu)
     reads_x_with_x_agg = True  # W_s h_v still needs the node's own input
@@ -102,8 +103,8 @@ class SAGEConv(nn.Module):
             # the neighbour term summed into the self term's output (which linear does not
             # keep): no second output [n, d_out] to allocate, fault in and add
             own, neighbour = self.dense_products(x, add_bias)
-            return g.aggregate(neighbour, self.slot, into=own)
-        neighbours = x_agg if x_agg is not None else g.aggregate(x, self.slot)
+            return g.aggregate(neighbour, self.reduce, self.slot, into=own)
+        neighbours = x_agg if x_agg is not None else g.aggregate(x, self.reduce, self.slot)
         # the neighbour product is added inside the GEMM, into the self term's output: no pass of its own
         return linear_sum(
             self.lin_self.bias if add_bias else None, (x, self.lin_self.weight), (neighbours, self.lin_neigh.weight)
@@ -116,7 +117,7 @@ class GCNConv(nn.Module):
     .. math:: h'_v = \sum_{u \in N(v) \cup \{v\}} \frac{W h_u}{\sqrt{\deg(u)\deg(v)}} + b
     """
 
-    normalization = "symmetric"  # A[v, u] = 1 / sqrt(deg(u) deg(v))
+    reduce = "gcn"  # A[v, u] = 1 / sqrt(deg(u) deg(v))
     attention = False
     activation = staticmethod(F.relu)
     reads_x_with_x_agg = False  # with a precomputed aggregation the layer is W x_agg + b
@@ -158,11 +159,11 @@ class GCNConv(nn.Module):
     def forward(self, x: Tensor, g: EpochGraph, x_agg: Tensor | None = None, add_bias: bool = True) -> Tensor:
         """``add_bias=False``: without ``+ b`` (see :meth:`SAGEConv.forward`)."""
         if x_agg is None and self.cheap_to_recompute:
-            out = g.aggregate(*self.dense_products(x), self.slot)
+            out = g.aggregate(*self.dense_products(x), self.reduce, self.slot)
             return out + self.bias if add_bias else out
         return linear_sum(
             self.bias if add_bias else None,
-            (x_agg if x_agg is not None else g.aggregate(x, self.slot), self.lin.weight),
+            (x_agg if x_agg is not None else g.aggregate(x, self.reduce, self.slot), self.lin.weight),
         )
 
 
@@ -179,7 +180,7 @@ class GATConv(nn.Module):
     Whichever of ``h`` [d_in] and ``z`` [H*D] is narrower is what crosses the network.
     """
 
-    normalization = None  # the pattern only: attention supplies the weights
+    reduce = "sum"  # the pattern only: attention supplies the weights
     attention = True
     activation = staticmethod(F.elu)
     reads_x_with_x_agg = True  # never given x_agg: attention is not precomputable
@@ -250,6 +251,11 @@ LAYERS: dict[str, type[nn.Module]] = {"graphsage": SAGEConv, "gcn": GCNConv, "ga
 
 
 def shard_graph(topology: Topology, model: str, device: torch.device) -> ShardGraph:
-    """The static adjacency the layers of ``model`` aggregate over, on ``device``."""
-    layer = LAYERS[model]
-    return ShardGraph(topology, layer.normalization, layer.attention, device)
+    """The static adjacency the layers of ``model`` (a ``--model``) aggregate over, on
+    ``device``: normalised for a built-in layer's reduction; for a model class of the user's
+    own, the pattern (``sum``; the other reductions are made from it), or the whole adjacency
+    where the class sets ``attention = True``."""
+    if model in LAYERS:
+        layer = LAYERS[model]
+        return ShardGraph(topology, layer.reduce, layer.attention, device)
+    return ShardGraph(topology, "sum", bool(getattr(load_model_class(model), "attention", False)), device)

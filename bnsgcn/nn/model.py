@@ -1,4 +1,6 @@
-"""The GNN stack: layers, normalisation, activation and dropout."""
+"""The model: the built-in GNN stack (layers, normalisation, activation and dropout) or a
+class of the user's own (:mod:`bnsgcn.nn.user_model`), and how the engine builds and runs
+either (:func:`build_model`, :func:`run_model`)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from torch import Tensor, nn
 
 from bnsgcn.comm.wire import WireFormat
 from bnsgcn.config import TrainConfig
+from bnsgcn.errors import UserError
 from bnsgcn.kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
 from bnsgcn.nn.graph import EpochGraph
 from bnsgcn.nn.layers import LAYERS
 from bnsgcn.nn.recompute import recomputed
+from bnsgcn.nn.user_model import build_user_model
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -230,3 +234,34 @@ def _norm(kind: str, dim: int, reduce: Callable[[Tensor], Tensor]) -> nn.Module:
     if kind == "batch":
         return SyncBatchNorm(dim, reduce)
     return nn.Identity()
+
+
+def build_model(config: TrainConfig, in_dim: int, num_classes: int, reduce: Callable[[Tensor], Tensor]) -> nn.Module:
+    """The model of ``config``: the built-in :class:`GNN` of ``--model`` (``reduce`` sums a
+    tensor over ranks in place, for ``--norm batch``), or an instance of the user's class."""
+    if config.model.builtin:
+        return GNN(config, in_dim, num_classes, reduce)
+    return build_user_model(config, in_dim, num_classes)
+
+
+def run_model(model: nn.Module, x: Tensor, graph: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+    """One forward pass of ``model`` over ``graph`` (its calls numbered from slot 0): logits
+    [n_inner, C] from this rank's rows ``x`` [n_inner, F] (and the built-in models'
+    precomputed first aggregation ``x_agg``, where used). A user's model that returns
+    anything else is refused in one line."""
+    graph.start_pass()
+    logits = model(x, graph) if x_agg is None else model(x, graph, x_agg)
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.shape[0] != x.shape[0]:
+        got = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise UserError(
+            f"the model's forward returned {got}; it must return logits [num_inner, classes], a row for each of the "
+            f"{x.shape[0]} rows of x"
+        )
+    return logits
+
+
+def parameters_in_forward_order(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s parameters in the order forward uses them (backward produces their
+    gradients in reverse): :meth:`GNN.parameters_in_forward_order`, or a user's model's in
+    the order its modules were registered."""
+    return model.parameters_in_forward_order() if isinstance(model, GNN) else list(model.parameters())

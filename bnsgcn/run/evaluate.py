@@ -18,6 +18,7 @@ from bnsgcn.comm.plan import ExchangePlan
 from bnsgcn.exchange.sliced import ColumnSlicedExchange
 from bnsgcn.exchange.synchronous import BoundaryExchange
 from bnsgcn.nn.graph import ShardGraph
+from bnsgcn.nn.model import run_model
 
 CATEGORY = "evaluation"  # the accounting category of the rows evaluation moves (never compressed)
 
@@ -49,7 +50,7 @@ class Evaluation:
         if self.sliced:
             self.exchange.slices = 0
         try:
-            return model(x, graph.epoch(keep, 1.0, plan, self.exchange, traffic=CATEGORY), x_agg)
+            return run_model(model, x, graph.epoch(keep, 1.0, plan, self.exchange, traffic=CATEGORY), x_agg)
         finally:
             self.slices = self.exchange.slices if self.sliced else 0
             self.exchange.release()

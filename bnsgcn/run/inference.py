@@ -24,7 +24,7 @@ from bnsgcn.data.shard import Topology
 from bnsgcn.errors import UserError
 from bnsgcn.exchange import LocalExchange
 from bnsgcn.nn.layers import shard_graph
-from bnsgcn.nn.model import GNN
+from bnsgcn.nn.model import build_model, run_model
 
 MODEL_FILE = "best_model.pt"
 
@@ -93,12 +93,12 @@ def run_config(run_dir: Path) -> TrainConfig:
     return TrainConfig.from_settings(**settings)
 
 
-def load_model(run_dir: Path) -> tuple[GNN, TrainConfig]:
+def load_model(run_dir: Path) -> tuple[torch.nn.Module, TrainConfig]:
     """The model of a finished run, on the CPU in eval mode, with the parameters of its best
     validation epoch (``best_model.pt``), and the run's configuration."""
     config = run_config(run_dir)
     dataset = read_manifest(config.data.parts_dir)["dataset"]
-    model = GNN(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
+    model = build_model(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
     path = Path(run_dir) / MODEL_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: the run did not finish an evaluation")
@@ -107,7 +107,7 @@ def load_model(run_dir: Path) -> tuple[GNN, TrainConfig]:
 
 
 @torch.no_grad()
-def whole_graph_logits(model: GNN, config: TrainConfig, graph: WholeGraph) -> Tensor:
+def whole_graph_logits(model: torch.nn.Module, config: TrainConfig, graph: WholeGraph) -> Tensor:
     """Logits float32 [N, C] of ``model`` (the settings ``config``) over every node of ``graph``,
     in global node order: evaluation's forward pass (no sampling, no dropout) over one
     partition holding every node, so no row crosses between ranks."""
@@ -127,4 +127,4 @@ def whole_graph_logits(model: GNN, config: TrainConfig, graph: WholeGraph) -> Te
     x_agg = adjacency.aggregate(x, x.new_zeros((0, x.shape[1]))) if config.model.use_precompute else None
     epoch = adjacency.epoch(torch.zeros(0, dtype=torch.bool), 1.0, full_plan(topology, device), LocalExchange())
     model.eval()
-    return model(x, epoch, x_agg)
+    return run_model(model, x, epoch, x_agg)

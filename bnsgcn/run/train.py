@@ -66,7 +66,7 @@ from bnsgcn.metrics.loggers import Loggers, make_loggers
 from bnsgcn.metrics.progress import Progress, step
 from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
-from bnsgcn.nn.model import GNN
+from bnsgcn.nn.model import build_model, run_model
 from bnsgcn.nn.optim import Optimization, make_optimization
 from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
@@ -246,7 +246,7 @@ class Job:
     global_train: int  # training nodes of all ranks
     run_dir: Path
     log: logging.Logger
-    model: GNN
+    model: torch.nn.Module  # the built-in GNN or a class of the user's own (bnsgcn.nn.model.build_model)
     optimization: Optimization  # --optimizer, --lr-schedule, --grad-clip (bnsgcn.nn.optim)
     sync: ParameterSync  # --sync: the gradient all-reduce, or a decoupled mode (bnsgcn.sync.averaging)
     delay: InjectedDelay  # --inject-delay: this rank's sleep per epoch (a testing aid)
@@ -267,7 +267,7 @@ class Best:
     test_score: float | None = None
     state: dict | None = None
 
-    def update(self, epoch: int, scores: dict[str, float], model: GNN) -> None:
+    def update(self, epoch: int, scores: dict[str, float], model: torch.nn.Module) -> None:
         if scores["val_score"] > self.val_score:
             self.val_score, self.epoch, self.test_score = scores["val_score"], epoch, scores["test_score"]
             self.state = copy.deepcopy(model.state_dict())
@@ -439,7 +439,8 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         config.exchange.mode,
     )
     torch.manual_seed(config.run.seed)  # identical initial parameters on every rank
-    model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t)).to(comm.device)
+    model = build_model(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t))
+    model = model.to(comm.device)
     optimization = make_optimization(config.optim, model.parameters(), config.run.epochs)
     optimizer = optimization.optimizer  # what a decoupled --sync averages besides the parameters
     # training's strategy over the training graph (collective to build with --max-lag)
@@ -565,8 +566,9 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     seed_step(derive_seed(config.run.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
     resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers()]  # noqa: E731 (held anyway)
     with account.timed("forward"), account.saved_tensors(resident):
-        logits = job.model(inputs.features, g, inputs.x_agg)
-        account.keep(job.model.kept_for_recompute + list((g.kept_rows or {}).values()))
+        logits = run_model(job.model, inputs.features, g, inputs.x_agg)
+        kept = getattr(job.model, "kept_for_recompute", [])  # the built-in GNN's segment inputs
+        account.keep(kept + list((g.kept_rows or {}).values()))
         loss_sum = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
     job.optimization.optimizer.zero_grad(set_to_none=False)
     with account.timed("backward"):
@@ -611,7 +613,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             # dropout drawn per partition and epoch: a step does not depend on the rank taking it
             seed_step(derive_seed(job.config.run.seed, taken[1], epoch, 1), job.comm.device)
             with account.timed("forward"):
-                logits = model(inputs.features, inputs.graph, inputs.x_agg)
+                logits = run_model(model, inputs.features, inputs.graph, inputs.x_agg)
                 part_loss = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
             with account.timed("backward"):
                 # lockstep: the summed loss (the round's mean is taken after the all-reduce)
@@ -902,7 +904,9 @@ def _epoch_record(epoch: int, loss: float, table: Tensor) -> dict:
 
 
 @torch.no_grad()
-def _evaluate(model: GNN, inputs: GraphInputs, shard: Shard, comm: Comm, evaluation: Evaluation) -> dict[str, float]:
+def _evaluate(
+    model: torch.nn.Module, inputs: GraphInputs, shard: Shard, comm: Comm, evaluation: Evaluation
+) -> dict[str, float]:
     """Full-graph scores (no sampling, no dropout) on every rank, counts summed over ranks."""
     model.eval()
     logits = evaluation.logits(model, inputs.graph, inputs.planner.full(), inputs.features, inputs.x_agg)

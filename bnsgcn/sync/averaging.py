@@ -72,6 +72,7 @@ from bnsgcn.comm.communicator import Comm
 from bnsgcn.config import SyncMode
 from bnsgcn.errors import PeerLost, peer_lost_message
 from bnsgcn.metrics.accounting import COLUMNS, INDEX, EpochAccount
+from bnsgcn.nn.model import parameters_in_forward_order
 from bnsgcn.nn.optim import Optimizer
 from bnsgcn.sync.reducer import GradientReducer
 
@@ -453,7 +454,7 @@ def make_sync(
     """The job's parameter sync. ``allreduce`` builds the gradient reducer exactly as before
     (its hooks are registered only then: decoupled modes must not sum over every rank)."""
     if not mode.decoupled:
-        return ParameterSync(GradientReducer(model.parameters_in_forward_order(), comm, bucket_bytes))
+        return ParameterSync(GradientReducer(parameters_in_forward_order(model), comm, bucket_bytes))
     cls = {"grouped": Grouped, "partial": Partial, "gossip": Gossip}[mode.kind]
     return cls(comm, model, optimizer, mode, local_train, global_train, seed, log)
 

@@ -6,6 +6,7 @@ test file (tests/test_layout.py checks it).
   a run's final score, an instrument that records gradients;
 * :mod:`.preload`: what the forkserver of those ranks imports once;
 * :mod:`.reference`: the dense single-process models, the ground truth of the exactness tests;
+* :mod:`.user_models`: GIN and APPNP as a user writes them, against the public API alone;
 * :mod:`.device_syncs`: an instrument that records the engine's host reads (device syncs) per site;
 * :mod:`.cli`: the CLIs run as a user runs them, and checks of their one-line errors;
 * :mod:`.faults`: training jobs started as processes, their ranks found, killed or stopped;

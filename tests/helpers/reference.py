@@ -1,6 +1,6 @@
 """A dense, single-process implementation of the three models, written independently of
 the engine's layers and kernels: the ground truth for the exactness tests, and the check
-of a partition-parallel run against it."""
+of a partition-parallel run against it (of another model too, given its dense forward)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bnsgcn.config import TrainConfig
-from bnsgcn.nn.model import GNN
+from bnsgcn.nn.model import build_model
 from bnsgcn.partition.graph import Graph, canonical_csr
 
 
@@ -51,7 +51,7 @@ def induced_by_train_nodes(graph: Graph) -> Graph:
 def initial_params(config: TrainConfig, graph: Graph) -> dict[str, Tensor]:
     """The parameters every rank starts from (same seed, same constructor)."""
     torch.manual_seed(config.run.seed)
-    model = GNN(config, graph.features.shape[1], graph.num_classes, lambda t: t)
+    model = build_model(config, graph.features.shape[1], graph.num_classes, lambda t: t)
     return {k: v.detach().double().clone() for k, v in model.state_dict().items()}
 
 
@@ -86,8 +86,9 @@ def forward(config: TrainConfig, a: Tensor, params: dict[str, Tensor], x: Tensor
     return h
 
 
-def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Tensor]]:
-    """Full-graph training in one process, float64: losses per epoch and final parameters."""
+def train(config: TrainConfig, graph: Graph, model_forward=forward) -> tuple[list[float], dict[str, Tensor]]:
+    """Full-graph training in one process, float64: losses per epoch and final parameters.
+    ``model_forward(config, a, params, x)``: the model's dense forward (default: the built-in ones)."""
     a = dense_adjacency(graph)
     x = torch.from_numpy(graph.features).double()
     labels = torch.from_numpy(graph.labels)
@@ -96,7 +97,7 @@ def train(config: TrainConfig, graph: Graph) -> tuple[list[float], dict[str, Ten
     opt, schedule = torch_optimizer(config, list(params.values()))
     losses = []
     for _ in range(config.run.epochs):
-        logits = forward(config, a, params, x)
+        logits = model_forward(config, a, params, x)
         if graph.multilabel:
             loss = F.binary_cross_entropy_with_logits(
                 logits[train_mask], labels[train_mask].double(), reduction="sum"
@@ -178,10 +179,10 @@ def _bias_before_norm(name: str, layers: int) -> bool:
     return name.endswith("bias") and name.startswith("layers.") and int(name.split(".")[1]) < layers - 1
 
 
-def assert_run_matches(config: TrainConfig, graph: Graph, params_by_rank: list[dict]) -> None:
+def assert_run_matches(config: TrainConfig, graph: Graph, params_by_rank: list[dict], model_forward=forward) -> None:
     """The run of ``config`` (losses in its metrics.jsonl; every rank's final parameters,
-    numpy arrays by name) equals :func:`train` on ``graph``."""
-    ref_losses, ref_params = train(config, graph)
+    numpy arrays by name) equals :func:`train` on ``graph`` (with ``model_forward``)."""
+    ref_losses, ref_params = train(config, graph, model_forward)
     lines = [json.loads(line) for line in (config.run.out / "metrics.jsonl").read_text().splitlines()]
     losses = [line["loss"] for line in lines if "loss" in line]
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (
