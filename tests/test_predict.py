@@ -16,7 +16,7 @@ import bnsgcn
 from bnsgcn.config import TrainConfig
 from bnsgcn.data.format import ROW_NORMALISE, read_manifest
 from bnsgcn.errors import UserError
-from bnsgcn.nn.model import GNN
+from bnsgcn.nn.model import build_model
 from bnsgcn.partition.graph import Graph
 from bnsgcn.run.inference import load_model, read_whole_graph, whole_graph_logits
 from bnsgcn.run.predict import PredictRequest, check_request, run, trained_on
@@ -32,7 +32,11 @@ MODELS = {
     "graphsage": {"model": "graphsage", "norm": "batch"},
     "graphsage-no-precompute": {"model": "graphsage", "precompute": False},
     "gat": {"model": "gat", "heads": 2},
+    # two models of the user's own, written against the public aggregation call
+    "gin": {"model": "tests.helpers.user_models:GIN", "model_options": '{"eps": 0.2, "train_eps": true}'},
+    "appnp": {"model": "tests.helpers.user_models:APPNPNet", "model_options": '{"K": 3, "alpha": 0.2}'},
 }
+BUILTIN = [name for name, settings in MODELS.items() if ":" not in settings["model"]]
 
 
 def raw_graph() -> tuple[Graph, np.ndarray]:
@@ -52,7 +56,7 @@ def make_run(run_dir: Path, parts: Path, seed: int, **settings) -> Path:
     config = TrainConfig.from_settings(parts_dir=parts, layers=3, hidden=8, **settings).resolved(run_dir, "cpu", 1)
     dataset = read_manifest(parts)["dataset"]
     torch.manual_seed(seed)
-    model = GNN(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
+    model = build_model(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.copy_(torch.rand_like(tensor) + 0.5 if tensor.dtype.is_floating_point else tensor)
@@ -76,22 +80,25 @@ def runs(tmp_path_factory):
     graph, raw = raw_graph()
     parts = partition(graph, 2, root / "parts").resolve()
     dirs = {name: make_run(root / name, parts, seed, **s) for seed, (name, s) in enumerate(MODELS.items())}
-    jobs = [
-        check_request(run_dir, out, embeddings)
-        for run_dir in dirs.values()
-        for out, embeddings in ((run_dir / "p.pt", None), (run_dir / "e.npy", 2))
+    asked = [  # (model, out, embeddings): a user's model has no layer to take embeddings from
+        (name, dirs[name] / out, embeddings)
+        for name in dirs
+        for out, embeddings in (("p.pt", None), ("e.npy", 2))
+        if name in BUILTIN or embeddings is None
     ]
+    jobs = [check_request(dirs[name], out, embeddings) for name, out, embeddings in asked]
     results = run_ranks(2, [(config.replace(threads=1), request) for config, request in jobs], work=predict_rank)
     assert all(r is None for r in results[1]), "only rank 0 returns what it wrote"
-    tensors = [{k: torch.from_numpy(v) for k, v in written.items()} for written in results[0]]
-    outputs = {name: (tensors[2 * i], tensors[2 * i + 1]) for i, name in enumerate(dirs)}
+    outputs: dict[str, list[dict]] = {}
+    for (name, _, _), written in zip(asked, results[0]):
+        outputs.setdefault(name, []).append({k: torch.from_numpy(v) for k, v in written.items()})
     return graph, raw, parts, dirs, outputs
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_predictions_equal_whole_graph_inference_in_node_order(runs, name):
     graph, _, parts, dirs, outputs = runs
-    predicted, embeddings = outputs[name]
+    predicted = outputs[name][0]
     model, config = load_model(dirs[name])
     expected = whole_graph_logits(model, config, read_whole_graph(parts))
     assert predicted["logits"].shape == (graph.num_nodes, graph.num_classes)
@@ -101,8 +108,10 @@ def test_predictions_equal_whole_graph_inference_in_node_order(runs, name):
     # what was written is what was returned; the last layer's output is the logits
     written = torch.load(dirs[name] / "p.pt", weights_only=True)
     assert torch.equal(written["logits"], predicted["logits"])
-    torch.testing.assert_close(torch.from_numpy(np.load(dirs[name] / "e.npy")), predicted["logits"])
-    torch.testing.assert_close(embeddings["embeddings"], predicted["logits"])
+    if name in BUILTIN:
+        embeddings = outputs[name][1]
+        torch.testing.assert_close(torch.from_numpy(np.load(dirs[name] / "e.npy")), predicted["logits"])
+        torch.testing.assert_close(embeddings["embeddings"], predicted["logits"])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -116,18 +125,24 @@ def test_export_equals_the_predictions_from_raw_features(runs, name, tmp_path):
     torch.testing.assert_close(logits, outputs[name][0]["logits"], atol=1e-5, rtol=1e-5)
     # the parameters round-trip through a file into a new module
     torch.save(exported.state_dict(), tmp_path / "exported.pt")
-    again = type(exported)(*_construction(dirs[name]))
+    again = _new_module(dirs[name])
     again.load_state_dict(torch.load(tmp_path / "exported.pt", weights_only=True))
     with torch.no_grad():
         assert torch.equal(again.eval()(torch.from_numpy(raw), edge_index), logits)
 
 
-def _construction(run_dir: Path) -> tuple:
+def _new_module(run_dir: Path) -> torch.nn.Module:
+    """An exported module of ``run_dir``'s model with fresh parameters."""
+    from bnsgcn.nn.user_model import build_user_model
+    from bnsgcn.run.export import ExportedGNN, ExportedUserModel
     from bnsgcn.run.inference import run_config
 
     config = run_config(run_dir)
     dataset = read_manifest(config.data.parts_dir)["dataset"]
-    return config, dataset["num_features"], dataset["num_classes"], ROW_NORMALISE
+    features, classes = dataset["num_features"], dataset["num_classes"]
+    if config.model.builtin:
+        return ExportedGNN(config, features, classes, ROW_NORMALISE)
+    return ExportedUserModel(build_user_model(config, features, classes), features, ROW_NORMALISE)
 
 
 def test_predict_refuses_bad_input_with_one_line(runs, tmp_path):
@@ -142,6 +157,8 @@ def test_predict_refuses_bad_input_with_one_line(runs, tmp_path):
         check_request(empty)
     with pytest.raises(UserError, match="out of range: the model has 3 layers; pass 0 to 2"):
         check_request(run_dir, embeddings=3)
+    with pytest.raises(UserError, match="--embeddings reads a layer of the built-in models"):
+        check_request(dirs["gin"], embeddings=0)
     with pytest.raises(UserError, match="unknown suffix '.csv'"):
         check_request(run_dir, tmp_path / "p.csv")
     other, _ = raw_graph()

@@ -36,6 +36,7 @@ from bnsgcn.data.format import NO_PREPROCESSING, ROW_NORMALISE, STANDARDISE, fea
 from bnsgcn.errors import UserError
 from bnsgcn.nn.layers import LAYERS
 from bnsgcn.nn.model import SyncBatchNorm
+from bnsgcn.nn.user_model import build_user_model
 from bnsgcn.run.inference import MODEL_FILE, run_config
 
 
@@ -88,6 +89,36 @@ class Edges:
     def symmetric(self, h: Tensor) -> Tensor:
         scale = torch.rsqrt(self.degree).unsqueeze(1)
         return self.sum_into_targets((h * scale)[self.src]) * scale
+
+    # The aggregation primitive of bnsgcn.nn.EpochGraph over the whole graph, for a model of
+    # the user's own (its forward(x, graph) runs here unchanged; every node is "inner").
+
+    def aggregate(self, h: Tensor, reduce: str = "sum", into: Tensor | None = None) -> Tensor:
+        """``A h`` [N, d] for ``reduce`` ``sum``, ``mean`` or ``gcn`` (self-loops included),
+        added into ``into`` in place where given."""
+        if reduce == "sum":
+            out = self.sum_into_targets(h[self.src])
+        elif reduce == "mean":
+            out = self.mean(h)
+        elif reduce == "gcn":
+            out = self.symmetric(h)
+        else:
+            raise ValueError(f"reduce={reduce!r}: pass 'sum', 'mean' or 'gcn'")
+        return out if into is None else into.add_(out)
+
+    @property
+    def num_inner(self) -> int:
+        return self.num_nodes
+
+    num_sampled = 0  # every neighbour is here
+
+    @property
+    def in_degree(self) -> Tensor:
+        return self.degree - 1
+
+    @property
+    def gcn_norm(self) -> Tensor:
+        return torch.rsqrt(self.degree)
 
 
 class GCNLayer(nn.Module):
@@ -189,6 +220,20 @@ class ExportedGNN(nn.Module):
         return h
 
 
+class ExportedUserModel(nn.Module):
+    """A run's model of the user's own class over a whole graph in one process:
+    ``forward(x, edge_index)`` -> logits [N, C], the class's ``forward(x, graph)`` given an
+    :class:`Edges` for ``graph``. Its ``state_dict`` is the run's model's under ``model.``."""
+
+    def __init__(self, model: nn.Module, num_features: int, preprocessing: str) -> None:
+        super().__init__()
+        self.preprocessing = FeaturePreprocessing(preprocessing, num_features)
+        self.model = model
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        return self.model(self.preprocessing(x.to(torch.float32)), Edges(edge_index, x.shape[0]))
+
+
 def _norm(kind: str, dim: int) -> nn.Module:
     if kind == "layer":
         return nn.LayerNorm(dim)
@@ -199,8 +244,9 @@ def _norm(kind: str, dim: int) -> nn.Module:
 
 def export(
     run_dir: str | os.PathLike, preprocessing: str | None = None, device: str | torch.device = "cpu"
-) -> ExportedGNN:
-    """The model of the finished run in ``run_dir`` as an :class:`ExportedGNN` on ``device``,
+) -> ExportedGNN | ExportedUserModel:
+    """The model of the finished run in ``run_dir`` as an :class:`ExportedGNN` (a model of
+    the user's own: :class:`ExportedUserModel`) on ``device``,
     in eval mode (docs/api.md).
 
     The features' preprocessing is the one the run recorded (config.json; for a run made
@@ -241,6 +287,12 @@ def export(
                 "preprocessing.mean": torch.from_numpy(stats["mean"]),
                 "preprocessing.std": torch.from_numpy(stats["std"]),
             }
+    if not config.model.builtin:
+        dataset = read_manifest(parts_dir)["dataset"]
+        model = build_user_model(config, dataset["num_features"], dataset["num_classes"])
+        module = ExportedUserModel(model, dataset["num_features"], entry["kind"])
+        module.load_state_dict({(k if k.startswith("preprocessing.") else f"model.{k}"): v for k, v in state.items()})
+        return module.to(device).eval()
     first = next(v for k, v in state.items() if k.startswith("layers.0.lin"))
     last = state[f"layers.{config.model.layers - 1}.bias"] if config.model.name != "graphsage" else None
     num_classes = (

@@ -31,7 +31,7 @@ from bnsgcn.data.format import feature_preprocessing, load_partition, read_manif
 from bnsgcn.data.shard import load_shard
 from bnsgcn.errors import UserError, first_sentence
 from bnsgcn.exchange import resolve_exchange_settings
-from bnsgcn.nn.model import GNN
+from bnsgcn.nn.model import GNN, build_model
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.inference import MODEL_FILE, run_config
 
@@ -83,6 +83,11 @@ def check_request(
     if out.suffix not in SUFFIXES:
         raise UserError(f"--out {out} has the unknown suffix {out.suffix or '(none)'!r}; name a .pt or .npy file")
     layers = config.model.layers
+    if embeddings is not None and not config.model.builtin:
+        raise UserError(
+            f"--embeddings reads a layer of the built-in models; {config.model.name} is a model of your own: predict "
+            "its logits, or compute the layer's output with bnsgcn.export(run_dir) and a forward hook of your own"
+        )
     if embeddings is not None and not 0 <= embeddings < layers:
         raise UserError(
             f"--embeddings {embeddings} is out of range: the model has {layers} layers; pass 0 to {layers - 1}"
@@ -107,7 +112,7 @@ def check_partition_set(run_dir: Path, config: TrainConfig) -> None:
             f"{recorded}); pass --parts-dir with the partition set the run trained on"
         )
     dataset = manifest["dataset"]
-    model = GNN(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
+    model = build_model(config, dataset["num_features"], dataset["num_classes"], lambda t: t)
     try:
         model.load_state_dict(torch.load(run_dir / MODEL_FILE, map_location="cpu", weights_only=True))
     except (RuntimeError, ValueError, KeyError) as exc:
@@ -147,7 +152,7 @@ def run(config: TrainConfig, request: PredictRequest) -> dict[str, Tensor] | Non
         shard = load_shard(config.data.parts_dir, comm.rank, comm.world_size, verify=config.data.verify)
         shard = shard.to(comm.device)
         inputs = _graph_inputs(config, comm, shard, shard.topology, shard.features, shard.labels, shard.train_mask)
-        model = GNN(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t))
+        model = build_model(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t))
         state = torch.load(request.run_dir / MODEL_FILE, map_location=comm.device, weights_only=True)
         model.to(comm.device).load_state_dict(state)
         model.eval()
