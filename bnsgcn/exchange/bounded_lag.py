@@ -73,10 +73,10 @@ auto`` resolves to direct, :func:`exchange_mode`). ``--sync allreduce`` is allow
 lets no rank run ahead (ranks meet at every step's all-reduce); the job logs so.
 
 **Reproducibility.** Parameters, sampling and dropout are seeded as ever, but which version
-a rank uses depends on what has arrived, i.e. on timing. ``S = 1`` leaves no choice and
-repeats exactly; with ``S > 1`` two runs agree to float32 rounding as long as every rank used the
-previous epoch's versions (per-rank ``lag`` 1 in the records), which is the case without
-injected delays whenever the transfers arrive before they are needed.
+a rank uses depends on what has arrived, i.e. on timing. ``S = 1`` leaves no choice; two
+runs agree (to float32 rounding, see docs/training.md) as long as every rank used the
+previous epoch's versions (per-rank ``lag`` 1 in the records): always with ``S = 1``, and
+with ``S > 1`` without injected delays whenever the transfers arrive before they are needed.
 """
 
 from __future__ import annotations
