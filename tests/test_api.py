@@ -372,7 +372,8 @@ def test_ctrl_c_stops_every_rank(trained, tmp_path):
     stderr = stderr_of(tmp_path, "job")
     assert job.returncode == -signal.SIGINT, stderr  # an uncaught KeyboardInterrupt
     assert "error: interrupted by SIGINT; stopped all 2 local ranks" in stderr
-    assert stderr.rstrip().splitlines()[-1] == "KeyboardInterrupt", stderr
+    # raised by the signal itself, or, where the caller's SIGINT handler is not Python's, with the message
+    assert stderr.rstrip().splitlines()[-1].partition(":")[0] == "KeyboardInterrupt", stderr
     assert_all_gone(ranks + processes, run_dir)
 
 
