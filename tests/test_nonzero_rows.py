@@ -10,7 +10,7 @@ and its gradient at those entries alone.
 * Two ranks at p = 1 without dropout (ReLU zeros alone), ``--nonzero-rows on``: the dense
   float64 reference of :mod:`tests.helpers.reference`, for GraphSAGE and GCN.
 * Two ranks, whole runs with sampling and dropout: the same losses, gradients at every step
-  and final parameters, bit for bit, as ``--nonzero-rows off`` (whose GraphSAGE multiplies
+  and final parameters (to float32 rounding) as ``--nonzero-rows off`` (whose GraphSAGE multiplies
   first at equal widths: made to aggregate first there, the same sums); fewer feature and
   gradient bytes for GraphSAGE and GCN, the same for GAT (it exchanges projections).
 * Four ranks on two emulated machines, node-aware exchange (rows cross machines as nonzero
@@ -133,8 +133,10 @@ def record_gradients_aggregating_first():
 
 def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None = None) -> list[tuple]:
     """Run ``nonzero`` (``--nonzero-rows on``) and the same configs with ``off`` (and the same
-    layer order); assert the same losses, every step's gradients and the final parameters,
-    bit for bit, on every rank; return the pairs of runs' reports (rank by rank)."""
+    layer order); assert the same losses, every step's gradients and the final parameters on
+    every rank, to float32 rounding (rarely two runs of one multi-rank job differ in the last
+    place: see test_lag's seed test; a row sent wrong moves them by far more); return the
+    pairs of runs' reports (rank by rank)."""
     dense = [
         c.replace(nonzero_rows="off", out=c.run.out.with_name(c.run.out.name.replace("nonzero", "dense")))
         for c in nonzero
@@ -146,20 +148,22 @@ def _run_against_dense_rows(nonzero: list, world: int, nodes: list[int] | None =
             f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} remat={a.model.remat} "
             f"layers={a.model.layers}"
         )
-        assert _losses(a) == _losses(b), label
+        np.testing.assert_allclose(_losses(a), _losses(b), rtol=1e-6, atol=0, err_msg=label)
         for rank in range(world):
             run_a, run_b = results_nonzero[rank][i], results_dense[rank][i]
             for grads_a, grads_b in zip(run_a["instrumented"], run_b["instrumented"], strict=True):
                 for ga, gb in zip(grads_a, grads_b, strict=True):
-                    np.testing.assert_array_equal(ga, gb, err_msg=label)
+                    np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-9, err_msg=label)
             for name in run_a["params"]:
-                np.testing.assert_array_equal(run_a["params"][name], run_b["params"][name], err_msg=f"{label} {name}")
+                np.testing.assert_allclose(
+                    run_a["params"][name], run_b["params"][name], rtol=1e-6, atol=1e-9, err_msg=f"{label} {name}"
+                )
     return [
         (a, list(zip(report.load(a.run.out)["ranks"], report.load(b.run.out)["ranks"]))) for a, b in zip(nonzero, dense)
     ]
 
 
-def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
+def test_runs_equal_the_dense_rows_in_fewer_bytes(parts, tmp_path):
     nonzero = []
     for i, variant in enumerate(VARIANTS):
         model, precompute = variant["model"], variant["precompute"]
@@ -179,7 +183,7 @@ def test_runs_equal_the_dense_rows_bit_for_bit_in_fewer_bytes(parts, tmp_path):
                     assert sent_nonzero < 0.8 * sent_dense, (config.model.name, kind, sent_nonzero, sent_dense)
 
 
-def test_node_aware_runs_equal_the_dense_rows_bit_for_bit(graph, tmp_path):
+def test_node_aware_runs_equal_the_dense_rows(graph, tmp_path):
     parts = partition(graph, 4, tmp_path / "parts", method="random")
     base = dict(p=0.7, dropout=0.5, hidden=32, epochs=3, exchange="hierarchical")
     nonzero = [
