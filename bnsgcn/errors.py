@@ -57,6 +57,14 @@ def first_sentence(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0].rstrip(".")
 
 
+def failure_line(exc: BaseException) -> str:
+    """What a rank that caused a failure tells the others: a UserError's one line, else the
+    exception's type and first sentence."""
+    if isinstance(exc, UserError):
+        return str(exc).strip().splitlines()[0]
+    return f"{type(exc).__name__}: {first_sentence(exc)}"
+
+
 def peer_lost_message(exc: BaseException, cause: str | None = None) -> str:
     """The one line of a rank whose collective failed with ``exc``; ``cause`` names the
     rank that stopped, when known."""

@@ -195,18 +195,7 @@ class Adjacency:
             if self.col_scale is None
             else self.col_scale * factor
         )
-        return Adjacency(
-            self.indptr,
-            self.indices,
-            self.values,
-            self.t_indptr,
-            self.t_indices,
-            self.t_edge,
-            self.t_values,
-            self.n_cols,
-            self.row_scale,
-            col_scale,
-        )
+        return self.with_scales(self.row_scale, col_scale)
 
     def select_columns(self, keep: Tensor, sizes: tuple[int, int] | None = None) -> Adjacency:
         """Keep the columns where ``keep [n_cols]`` (bool) is true, renumbered ``0..k-1`` in order.

@@ -29,7 +29,7 @@ from bnsgcn.comm.communicator import init_from_env
 from bnsgcn.config import TrainConfig
 from bnsgcn.data.format import feature_preprocessing, load_partition, read_manifest
 from bnsgcn.data.shard import load_shard
-from bnsgcn.errors import UserError, first_sentence
+from bnsgcn.errors import UserError, failure_line
 from bnsgcn.exchange import resolve_exchange_settings
 from bnsgcn.nn.model import GNN, build_model
 from bnsgcn.run.evaluate import Evaluation
@@ -171,11 +171,7 @@ def run(config: TrainConfig, request: PredictRequest) -> dict[str, Tensor] | Non
             write(request.out, written)
         comm.barrier()  # the job ends when the file is in place
     except Exception as exc:  # this rank is the cause: tell the others, as a training rank does
-        comm.report_failure(
-            str(exc).strip().splitlines()[0]
-            if isinstance(exc, UserError)
-            else f"{type(exc).__name__}: {first_sentence(exc)}"
-        )
+        comm.report_failure(failure_line(exc))
         raise
     comm.close()
     return written

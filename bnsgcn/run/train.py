@@ -43,7 +43,7 @@ from bnsgcn.errors import (
     JobStopped,
     PeerLost,
     UserError,
-    first_sentence,
+    failure_line,
     is_peer_failure,
     peer_lost_message,
 )
@@ -120,11 +120,7 @@ def run(config: TrainConfig) -> dict:
                 raise
             raise PeerLost(peer_lost_message(exc, comm.who_stopped())) from exc
         if not isinstance(exc, JobStopped):  # this rank is the cause: tell the others
-            comm.report_failure(
-                str(exc).strip().splitlines()[0]
-                if isinstance(exc, UserError)
-                else f"{type(exc).__name__}: {first_sentence(exc)}"
-            )
+            comm.report_failure(failure_line(exc))
         raise
     comm.close()
     # rank 0's slow end-of-run work after the others left: no rank waits for it in a barrier
