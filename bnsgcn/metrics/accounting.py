@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from bnsgcn.metrics.report import peak_memory_of
 from bnsgcn.metrics.timing import DeviceClock
 
 if TYPE_CHECKING:  # hints only: every stage reports here, and this module imports none of them
@@ -165,10 +166,9 @@ def peak_memory(device: torch.device) -> dict[str, int]:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory so far as the report's "peak memory" counts it: the device's allocated peak on
-    CUDA, the resident set's on CPU."""
-    figures = peak_memory(device)
-    return figures.get("peak_cuda_allocated_bytes", figures["peak_rss_bytes"])
+    """This process's peak memory so far as the report's "peak memory" counts it
+    (:func:`bnsgcn.metrics.report.peak_memory_of`)."""
+    return peak_memory_of(peak_memory(device))
 
 
 def resident_bytes() -> int:

@@ -150,6 +150,13 @@ def time_split(means: dict[str, float]) -> dict[str, float]:
     }
 
 
+def peak_memory_of(figures: dict) -> int:
+    """A rank's "peak memory" from its :func:`bnsgcn.metrics.accounting.peak_memory` figures:
+    the device's allocated peak on CUDA, the resident set's on CPU."""
+    cuda = figures.get("peak_cuda_allocated_bytes")
+    return cuda if cuda is not None else figures["peak_rss_bytes"]
+
+
 def build(static: list[dict], per_epoch: list[dict[str, float]], info: dict) -> dict:
     """The report of a job.
 
@@ -161,11 +168,7 @@ def build(static: list[dict], per_epoch: list[dict[str, float]], info: dict) -> 
     ranks = []
     for figures, means in zip(static, per_epoch):
         rank = {key: None for key in DEVICE_MEMORY} | dict(figures)
-        rank["peak_memory_bytes"] = (
-            rank["peak_cuda_allocated_bytes"]
-            if rank["peak_cuda_allocated_bytes"] is not None
-            else figures["peak_rss_bytes"]
-        )
+        rank["peak_memory_bytes"] = peak_memory_of(rank)
         if "baseline_rss_bytes" in figures:
             rank["memory_above_baseline_bytes"] = figures["peak_rss_bytes"] - figures["baseline_rss_bytes"]
         rank["boundary_inner_ratio"] = figures["boundary_nodes"] / max(figures["inner_nodes"], 1)
