@@ -141,17 +141,17 @@ def run(config: TrainConfig, request: PredictRequest) -> dict[str, Tensor] | Non
     :func:`bnsgcn.comm.communicator.init_from_env`): rank 0 writes ``request.out`` and returns
     what it wrote; the other ranks return None."""
     # the rank's setup as training does it; imported here, as training's rank imports this module
-    from bnsgcn.run.train import _compile_kernels, _graph_inputs
+    from bnsgcn.run.train import compile_kernels, graph_inputs
 
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     comm = init_from_env(config.run.device, config.run.timeout)
     try:
-        _compile_kernels(comm)
+        compile_kernels(comm)
         config = resolve_exchange_settings(config, comm)
         shard = load_shard(config.data.parts_dir, comm.rank, comm.world_size, verify=config.data.verify)
         shard = shard.to(comm.device)
-        inputs = _graph_inputs(config, comm, shard, shard.topology, shard.features, shard.labels, shard.train_mask)
+        inputs = graph_inputs(config, comm, shard, shard.topology, shard.features, shard.labels, shard.train_mask)
         model = build_model(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t))
         state = torch.load(request.run_dir / MODEL_FILE, map_location=comm.device, weights_only=True)
         model.to(comm.device).load_state_dict(state)

@@ -158,7 +158,7 @@ def _resolve_run_dir(config: TrainConfig, comm: Comm) -> tuple[Path, Path | None
     return Path(run_dir), moved
 
 
-def _graph_inputs(
+def graph_inputs(
     config: TrainConfig,
     comm: Comm,
     shard: Shard,
@@ -189,7 +189,7 @@ def _inductive_inputs(config: TrainConfig, comm: Comm, shard: Shard) -> GraphInp
     sub.degree[sub.n_inner :] = fetch_boundary(comm, sub, sub.degree[: sub.n_inner].contiguous())
     rows = shard.train_mask
     ones = torch.ones(sub.n_inner, dtype=torch.bool, device=comm.device)
-    return _graph_inputs(config, comm, shard, sub, shard.features[rows], shard.labels[rows], ones)
+    return graph_inputs(config, comm, shard, sub, shard.features[rows], shard.labels[rows], ones)
 
 
 def _loss_sum(logits: Tensor, labels: Tensor, rows: Tensor, multilabel: bool) -> Tensor:
@@ -326,7 +326,7 @@ def _train(config: TrainConfig, comm: Comm, stop: StopRequest | None = None) -> 
         return _finish(job, metrics, loggers, best, tables, last_loss)
 
 
-def _compile_kernels(comm: Comm) -> None:
+def compile_kernels(comm: Comm) -> None:
     """Have one process per machine compile the CPU kernels that numba's cache lacks
     (:mod:`bnsgcn.kernels.warmup`) before any rank calls one: a rank that compiles keeps the
     compiler's memory to its end. The first rank of each machine says through the job's
@@ -389,7 +389,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
     if config.data.parts_dir is None:
         raise UserError("no partition set given; pass --parts-dir (bnsgcn-train finds one when exactly one matches)")
     check_flags(config, comm.world_size)  # the launcher did, but torchrun and srun start ranks directly
-    _compile_kernels(comm)
+    compile_kernels(comm)
     baseline_rss = resident_bytes()  # the process before any graph data: torch, communicator
     # auto -> direct or hierarchical (direct with --max-lag); auto -> on or off
     config = resolve_exchange_settings(config, comm)
@@ -412,7 +412,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         else load_shard(config.data.parts_dir, comm.rank, comm.world_size, verify=config.data.verify)
     ).to(comm.device)
     topo = shard.topology
-    eval_inputs = _graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
+    eval_inputs = graph_inputs(config, comm, shard, topo, shard.features, shard.labels, shard.train_mask)
     train_inputs = _inductive_inputs(config, comm, shard) if config.data.inductive else eval_inputs
     local_train = int(train_inputs.train_index.numel())
     global_train = int(comm.all_reduce(torch.tensor([float(local_train)], device=comm.device))[0])
