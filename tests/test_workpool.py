@@ -217,33 +217,33 @@ def test_every_partition_once_per_epoch_with_a_slow_rank(parts6, tmp_path, sync)
 # --- Cora: each mode against the pool's synchronous all-reduce ---------------------------------
 
 # The target: each mode within 1.5 points of the pool's synchronous all-reduce, on the mean
-# over 6 seeds of the accuracy of the model a run ends with, on Cora's 1,500 held-out nodes
+# over 4 seeds of the accuracy of the model a run ends with, on Cora's 1,500 held-out nodes
 # (validation and test together) and averaged over the run's last two evaluations
 # (helpers.ranks.held_out_score): a sharper statistic than the last test score alone. The
 # decoupled modes average asynchronously (arrival order, the newest parameters a leader
 # published), so a seed's score moves from run to run; evaluating every 5 epochs makes each
-# evaluation a sync point, one full average (every 10 left grouped:5 1.2 points below).
+# evaluation a sync point, one full average (every 10 left grouped:5 1.2 points below). Cora's
+# features are its 64 leading principal components (helpers.graphs.cora_metis): the modes are
+# compared with each other, not with a published score, at a third of the time of 1,433 columns.
 #
-# Measured 2026-11-29 on 2 quiet cores, two repetitions of seeds 0-5 with the 4 partitions
-# (partial:2, a round of both ranks, and all-reduce repeat exactly). Per mode, the mean and
-# standard deviation over the runs of (mode - all-reduce, same seed), in points:
+# Measured 2026-11-29 on 2 cores of a machine that other jobs kept busy (load 6-8), seeds 0-23
+# with the 4 partitions (all-reduce repeats exactly). Per mode, the mean and standard deviation
+# over the runs of (mode - all-reduce, same seed), in points:
 #
-#   held-out, last two evaluations:  grouped:5 -0.75 (0.60), partial:2 -0.30 (0.34), gossip:1 -0.09 (0.47)
+#   held-out, last two evaluations:  grouped:5 +0.30 (0.58), partial:2 +0.26 (0.50), gossip:1 +0.25 (0.43)
 #
-# so with 6 seeds a mean below -1.5 has a probability (normal approximation) of about 0.1%
-# (grouped:5), less for the others. 8 partitions (4 per rank and epoch) measured the same
-# gaps (grouped:5 -0.78 (0.72) over six repetitions) at 1.6 times the time: the store-based
-# modes pay a round per step. Fewer seeds, more epochs in place of seeds, or the last test
-# score alone (grouped:5's deviation 1.12 against 0.72 at 8 partitions) measured less stable.
+# so with 4 seeds a mean below -1.5 is more than 5 standard deviations of the mean away for
+# every mode. With all 1,433 feature columns, 6 seeds measured grouped:5 -0.75 (0.60),
+# partial:2 -0.30 (0.34) and gossip:1 -0.09 (0.47) at three times the time.
 CORA_TOLERANCE = 0.015
 
 
 @pytest.fixture(scope="module")
 def cora4(tmp_path_factory):
-    return cora_metis(4, tmp_path_factory.mktemp("cora") / "cora-4")
+    return cora_metis(4, tmp_path_factory.mktemp("cora") / "cora-4", components=64)
 
 
-CORA_SEEDS = tuple(range(6))
+CORA_SEEDS = tuple(range(4))
 
 
 def cora_pool_scores(parts, syncs: list[str], out) -> dict[str, float]:
@@ -280,7 +280,7 @@ def cora_pool_scores(parts, syncs: list[str], out) -> dict[str, float]:
 def test_cora_pool_modes_reach_the_synchronous_accuracy(cora4, tmp_path):
     scores = cora_pool_scores(cora4, ["allreduce", "grouped:5", "partial:2", "gossip:1"], tmp_path)
     print(f"cora work pool (4 parts, 2 ranks, mean of {len(CORA_SEEDS)} seeds) held-out scores: {scores}")  # -rP
-    assert scores["allreduce"] > 0.75, scores  # the pool trains at all
+    assert scores["allreduce"] > 0.7, scores  # the pool trains at all (the majority class: 0.32)
     for sync, score in scores.items():
         assert score >= scores["allreduce"] - CORA_TOLERANCE, (sync, scores)
 

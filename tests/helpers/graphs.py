@@ -4,6 +4,7 @@ a graph of shuffled communities; each written as a partition set by the real wri
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +55,24 @@ def partition(graph: Graph, parts: int, out: Path, method: str = "random", seed:
     return out
 
 
-def cora_metis(parts: int, out: Path) -> Path:
-    """The Cora of ../shared/data (public split), METIS into ``parts``, written to ``out``."""
+def cora_metis(parts: int, out: Path, components: int | None = None) -> Path:
+    """The Cora of ../shared/data (public split), METIS into ``parts``, written to ``out``.
+
+    ``components``: Cora with its 1,433 features replaced by their ``components`` leading
+    principal directions (the SVD of the row-normalised features, scaled to unit variance).
+    The first layer's products and dropout over 1,433 columns are most of a Cora epoch; the
+    tests that compare modes with each other, not with a published score, train on 64 such
+    columns at about a third of the time, to about the same accuracy.
+    """
     from bnsgcn.partition.datasets import load_dataset
 
     graph = load_dataset("cora", SHARED_DATA / "planetoid", progress=False)
+    if components is not None:
+        u, s, _ = np.linalg.svd(graph.features.astype(np.float64), full_matrices=False)
+        x = u[:, :components] * s[:components]
+        graph = dataclasses.replace(
+            graph, features=(x / x.std()).astype(np.float32), feature_preprocessing={"kind": "none"}
+        )
     return partition(graph, parts, out, method="metis")
 
 
