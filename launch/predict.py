@@ -79,7 +79,7 @@ def prepare(
 
     config, request = check_request(run_dir, out, embeddings, parts_dir)
     # the ranks and their device and threads are this machine's, as for a new training run
-    config = config.replace(device="auto", threads=None, resume=False)
+    config = config.replace(device="auto", ranks_per_gpu=1, threads=None, resume=False)
     launch = [f"--{name}={value}" for name, value in (("procs", procs), ("gpus", gpus)) if value is not None]
     argv = to_argv(config) + launch
     parser = build_parser()
