@@ -82,10 +82,11 @@ def _losses(config: TrainConfig) -> list[float]:
 
 
 def _on_cpu_and_gpu(tmp_path, world: int, parts, nodes: list[int] | None = None, **mode) -> tuple[list, list]:
-    """The job on CPU ranks and with its ranks sharing GPU 0 (every rank of a machine on it):
+    """The job on CPU ranks and with its ranks sharing GPU 0 (every rank of a machine on it,
+    and at least two: simulated machines of one rank each share the one GPU too):
     (CPU config, GPU config). Checks that the GPU job ran where it was meant to."""
     machines = nodes or [0] * world
-    per_gpu = max(machines.count(m) for m in machines)  # every rank of a machine on its GPU 0
+    per_gpu = max(2, *(machines.count(m) for m in machines))
     cpu = _config(parts, tmp_path / "cpu", **mode)
     gpu = cpu.replace(device="cuda", ranks_per_gpu=per_gpu, out=tmp_path / "gpu")
     run_ranks(world, [cpu, gpu], nodes=nodes)
@@ -122,10 +123,12 @@ def test_shared_gpu_equals_cpu_ranks(tmp_path, parts, world, mode):
     assert _losses(gpu) == pytest.approx(_losses(cpu), **ROUNDING)
 
 
-def test_shared_gpu_hierarchical_over_two_machines(tmp_path, parts):
-    """Two simulated machines of two ranks each (GROUP_RANK), the two of a machine on its GPU 0:
-    relays inside a machine, rows as nonzero entries across (auto when a job spans machines)."""
-    cpu, gpu = _on_cpu_and_gpu(tmp_path, 4, parts[4], nodes=[0, 0, 1, 1], exchange="hierarchical")
+@pytest.mark.parametrize("nodes", ([0, 1], [0, 0, 1, 1]), ids=("1+1", "2+2"))
+def test_shared_gpu_hierarchical_over_two_machines(tmp_path, parts, nodes):
+    """Two simulated machines (GROUP_RANK) of one or two ranks each, every rank on GPU 0: rows
+    cross between the machines as nonzero entries (auto when a job spans machines), relayed
+    inside a machine of two."""
+    cpu, gpu = _on_cpu_and_gpu(tmp_path, len(nodes), parts[len(nodes)], nodes=nodes, exchange="hierarchical")
     assert _losses(gpu) == pytest.approx(_losses(cpu), **ROUNDING)
     sent = [r["bytes_inter_node"] for r in json.loads((gpu.run.out / "report.json").read_text())["ranks"]]
     assert sum(sent) > 0  # rows did cross between the simulated machines
