@@ -117,8 +117,8 @@ def train(
     ``settings`` are ``bnsgcn-train``'s training flags by their names with underscores
     (``epochs=50, p=0.1, model="gcn", eval_every=5``; docs/cli.md lists them), applied on top
     of ``config`` (a :class:`~bnsgcn.config.TrainConfig`, default: every default). ``procs``
-    starts that many CPU ranks, ``gpus`` that many GPU ranks; neither: one rank per
-    partition, on GPUs when there are enough. Without ``out`` the run goes to a new
+    starts that many CPU ranks, ``gpus`` that many GPU ranks (``ranks_per_gpu=K``: K on
+    each of them); neither: one rank per partition, on GPUs when there are enough. Without ``out`` the run goes to a new
     ``runs/<timestamp>``. The ranks' output is forwarded to this process's stdout/stderr.
     ``model`` may be a model class of your own (defined in a module the ranks can import)
     and ``model_options`` a dict of its keyword arguments (docs/api.md, "Your own model").

@@ -6,8 +6,9 @@ Two modes, chosen from the environment (docs/cli.md has examples of each):
   one task of a multi-task ``srun`` step, this process is one rank and trains in-process.
 * **local** -- otherwise this process starts the local ranks of the job as child
   processes (``python -m bnsgcn.launch.rank``) and supervises them: ``--gpus N`` one CUDA GPU
-  each (NCCL), ``--procs N`` on CPU (gloo), neither: one CPU rank per partition of the
-  set. ``--nnodes``/``--node-rank`` run the same command once per machine.
+  each (NCCL), or ``--ranks-per-gpu K`` on each (gloo), ``--procs N`` on CPU (gloo), neither:
+  one rank per partition of the set. ``--nnodes``/``--node-rank`` run the same command once
+  per machine.
 
 Problems that can be seen before any rank starts (GPU count, partition set, rank count,
 master address and port, launchers per node under srun, flags) are reported as one
@@ -29,7 +30,7 @@ from bnsgcn.cli import Parser
 from bnsgcn.comm.store import JOB_TOKEN_VARIABLE
 from bnsgcn.config import TrainConfig, check_flags, from_args
 from bnsgcn.config.original import LAUNCH, add_original_flags
-from bnsgcn.device import resolve_device
+from bnsgcn.device import gpus_needed, resolve_device
 from bnsgcn.errors import UserError
 
 from .discover import (
@@ -73,7 +74,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags that say where the ranks run (documented in docs/cli.md)."""
     group = parser.add_argument_group("launch")
     where = group.add_mutually_exclusive_group()
-    where.add_argument("--gpus", type=int, metavar="N", help="start N ranks on this machine, one CUDA GPU each (NCCL)")
+    where.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine, one CUDA GPU each (NCCL); with --ranks-per-gpu K, N x K ranks, K on each "
+        "GPU (gloo)",
+    )
     where.add_argument("--procs", type=int, metavar="N", help="start N ranks on this machine, on CPU (gloo)")
     group.add_argument(
         "--nnodes", type=int, default=1, help="machines in the job, each running this command (default 1)"
@@ -177,14 +184,43 @@ def choose_device(args: argparse.Namespace, config: TrainConfig) -> str:
     return config.run.device
 
 
-def require_gpus(needed: int, what: str, fix: str) -> None:
-    """Fail before starting ranks when this machine has fewer than ``needed`` CUDA GPUs."""
+def check_shared_gpus(args: argparse.Namespace, config: TrainConfig, device: str, one_rank: bool = False) -> None:
+    """``--ranks-per-gpu N`` above 1 shares CUDA GPUs, so it needs ranks on GPUs: ``--gpus``
+    or ``--device cuda``; as one rank of torchrun/srun (``one_rank``) also ``--device auto``,
+    which then takes CUDA when the machine has a GPU per N local ranks."""
+    n = config.run.ranks_per_gpu
+    if n == 1 or device == "cuda" or (one_rank and device == "auto"):
+        return
+    if args.procs is not None:
+        why = f"--procs {args.procs} starts CPU ranks"
+    elif device == "cpu":
+        why = "--device cpu was given"
+    else:
+        why = "no --gpus was given"
+    raise UserError(
+        f"--ranks-per-gpu {n} shares CUDA GPUs among ranks but {why}; pass --gpus G ({n} ranks on each of G GPUs) or "
+        "--device cuda, or drop --ranks-per-gpu"
+    )
+
+
+def require_gpus(local_ranks: int, ranks_per_gpu: int, what: str) -> None:
+    """Fail before starting ranks when this machine has fewer CUDA GPUs than ``local_ranks``
+    ranks need, ``ranks_per_gpu`` on each; the line names how the GPUs there are could be
+    shared (``--ranks-per-gpu``), and CPU ranks."""
     # Imported here: torch takes seconds to import and only GPU runs need it in the launcher.
     import torch
 
-    have = torch.cuda.device_count()
-    if have < needed:
-        raise UserError(f"{what} needs {needed} CUDA GPU{'s' if needed > 1 else ''} but this machine has {have}; {fix}")
+    needed, have = gpus_needed(local_ranks, ranks_per_gpu), torch.cuda.device_count()
+    if have >= needed:
+        return
+    share = ""
+    if have:  # the most GPUs of this machine that the ranks split over evenly
+        gpus = max(g for g in range(1, have + 1) if local_ranks % g == 0)
+        share = f"share {'them' if have > 1 else 'it'} with --gpus {gpus} --ranks-per-gpu {local_ranks // gpus}, or "
+    raise UserError(
+        f"{what} needs {needed} CUDA GPU{'s' if needed > 1 else ''} but this machine has {have}; {share}run on CPU "
+        f"with --procs {local_ranks} instead"
+    )
 
 
 def model_import_root(config: TrainConfig) -> str | None:
@@ -253,12 +289,19 @@ def prepare_local_ranks(
     config = from_args(args)
     model_root = model_import_root(config)
     device = choose_device(args, config)
-    local = args.gpus if args.gpus is not None else args.procs
+    check_shared_gpus(args, config, device)
+    shared = config.run.ranks_per_gpu
+    local = args.gpus * shared if args.gpus is not None else args.procs
+    sharing = f" --ranks-per-gpu {shared}" if shared > 1 else ""
     if args.n_partitions is not None:
         local = ranks_for_partitions(args.n_partitions, args.nnodes, local)
     if local is not None and device == "cuda":
-        what = f"--gpus {local}" if args.gpus is not None else f"--device cuda with {local} ranks on this machine"
-        require_gpus(local, what, f"run on CPU with --procs {local} instead")
+        what = (
+            f"--gpus {args.gpus}{sharing}"
+            if args.gpus is not None
+            else f"--device cuda{sharing} with {local} ranks on this machine"
+        )
+        require_gpus(local, shared, what)
     partition_set = choose_partition_set(
         config.data.parts_dir,
         None if local is None or config.sync.work_pool else local * args.nnodes,
@@ -275,10 +318,8 @@ def prepare_local_ranks(
             )
         local = ranks_per_node(partition_set, args.nnodes)
         if device == "cuda":
-            require_gpus(
-                local, f"--device cuda with {local} ranks on this machine", f"run on CPU with --procs {local} instead"
-            )
-    device = resolve_device(device, local)
+            require_gpus(local, shared, f"--device cuda{sharing} with {local} ranks on this machine")
+    device = resolve_device(device, local, shared)
     world_size = local * args.nnodes
     check_world_size(partition_set, world_size, config.sync.work_pool)
     check_flags(config, world_size)
@@ -345,8 +386,9 @@ def prepare_local_ranks(
         shared_env[JOB_TOKEN_VARIABLE] = secrets.token_hex(16)
     first = args.node_rank * local
     ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
+    on = f"{device}, {shared} per GPU (gloo)" if device == "cuda" and shared > 1 else device
     print(
-        f"{prog}: starting {ranks} of {world_size} on {device} "
+        f"{prog}: starting {ranks} of {world_size} on {on} "
         f"({threads} thread{'s' if threads > 1 else ''} per rank), master {master_addr}:{port}",
         flush=True,
     )
@@ -374,7 +416,9 @@ def prepare_rank(
     search_root = partition_set_location(args, search_root)
     config = from_args(args)
     model_import_root(config)
-    device = resolve_device(choose_device(args, config), ranks.local_world_size)
+    device = choose_device(args, config)
+    check_shared_gpus(args, config, device, one_rank=True)
+    device = resolve_device(device, ranks.local_world_size, config.run.ranks_per_gpu)
     partition_set = choose_partition_set(
         config.data.parts_dir,
         None if config.sync.work_pool else ranks.world_size,

@@ -57,6 +57,13 @@ def build_predict_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpus", type=int, metavar="N", help="start N ranks on this machine, one CUDA GPU each")
     where.add_argument("--procs", type=int, metavar="N", help="start N ranks on this machine, on CPU")
     parser.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --gpus N: N x K ranks, K sharing each GPU (gloo) (default 1)",
+    )
+    parser.add_argument(
         "--parts-dir",
         type=Path,
         default=None,
@@ -73,13 +80,14 @@ def prepare(
     parts_dir: Path | None,
     procs: int | None,
     gpus: int | None,
+    ranks_per_gpu: int = 1,
 ) -> tuple[list[Child], PredictRequest]:
     """The ranks to start for a prediction, every check done first."""
     from bnsgcn.run.predict import check_request
 
     config, request = check_request(run_dir, out, embeddings, parts_dir)
     # the ranks and their device and threads are this machine's, as for a new training run
-    config = config.replace(device="auto", threads=None, resume=False)
+    config = config.replace(device="auto", ranks_per_gpu=ranks_per_gpu, threads=None, resume=False)
     launch = [f"--{name}={value}" for name, value in (("procs", procs), ("gpus", gpus)) if value is not None]
     argv = to_argv(config) + launch
     parser = build_parser()
@@ -97,12 +105,14 @@ def predict(
     *,
     procs: int | None = None,
     gpus: int | None = None,
+    ranks_per_gpu: int = 1,
     parts_dir: str | os.PathLike | None = None,
 ) -> dict[str, torch.Tensor]:
     """``bnsgcn-predict`` from Python: write the predictions of the run in ``run_dir`` to ``out``
     (default ``run_dir/predictions.pt``) and return what was written, as the ``.pt`` dict
     holds it: ``node_ids`` and ``logits`` and ``predictions``, or ``embeddings`` (layer
-    ``embeddings``, 0-based). Raises :class:`UserError` for bad input and
+    ``embeddings``, 0-based). ``procs``, ``gpus`` and ``ranks_per_gpu`` start the ranks as
+    :func:`bnsgcn.train`'s do. Raises :class:`UserError` for bad input and
     :class:`~bnsgcn.launch.api.RankFailed` when a rank fails."""
     from bnsgcn.run.predict import read
 
@@ -113,6 +123,7 @@ def predict(
         None if parts_dir is None else Path(parts_dir),
         procs,
         gpus,
+        ranks_per_gpu,
     )
     raise_for_outcome(supervise_outcome(children))
     return read(request.out, embeddings is not None)
@@ -140,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_predict_parser().parse_args(argv)
 
     def launch() -> int:
-        children, request = prepare(args.run_dir, args.out, args.embeddings, args.parts_dir, args.procs, args.gpus)
+        children, request = prepare(
+            args.run_dir, args.out, args.embeddings, args.parts_dir, args.procs, args.gpus, args.ranks_per_gpu
+        )
         status = supervise(children)
         if status == 0:
             print(f"{PROG}: wrote {request.out}", flush=True)

@@ -134,6 +134,58 @@ def test_collective_waits_are_timed_on_the_device_clock():
     assert dict(comm.stats.seconds) == {}
 
 
+def _collectives(config) -> dict:
+    """Inside a rank of a 2-rank gloo job: every collective of Comm, run directly and staged
+    through host copies (what ranks sharing a GPU do: see Comm.host_staging)."""
+    from bnsgcn.comm.communicator import StagedWork, init_from_env
+
+    comm = init_from_env("cpu", timeout=60.0, pipelined=True)
+    r, results = comm.rank, {}
+    for staging in (False, True):
+        comm.host_staging = staging
+        comm.stats.reset()
+        counts = [1, 2] if r == 0 else [2, 1]  # rows to rank 0, to rank 1 (and as many back)
+        send, out = torch.arange(6.0).view(3, 2) + 10 * r, torch.full((3, 2), -1.0)
+        work = comm.all_to_all_start(send, counts, counts, out, "features", pipelined=True)
+        if staging:
+            assert isinstance(work, StagedWork) and work.sent is not send
+            work.work.wait()  # the collective itself is done: its rows are on the host only
+            assert bool((out == -1).all())
+        comm.wait(work, "features")
+        reduced = comm.all_reduce(torch.tensor([1.0 + r]))
+        flat = torch.arange(4.0) * (r + 1)
+        comm.wait(comm.all_reduce_async(flat))
+        gathered = comm.all_gather_within_node(torch.tensor([r, 7]), "control")
+        results[staging] = {
+            "out": out.numpy(),
+            "reduced": reduced.numpy(),
+            "flat": flat.numpy(),
+            "gathered": gathered.numpy(),
+            "sent": dict(comm.stats.sent),
+        }
+    comm.close()
+    return results
+
+
+def test_collectives_staged_through_host_memory_equal_direct_ones():
+    """Ranks sharing a GPU run gloo through host copies: each collective gives what it gives
+    unstaged, counts the same bytes, and a started one lands in its buffer only on wait."""
+    results = run_ranks(2, [None], work=_collectives)
+    for r, (result,) in enumerate(results):
+        direct, staged = result[False], result[True]
+        for key in ("out", "reduced", "flat", "gathered"):
+            np.testing.assert_array_equal(staged[key], direct[key], err_msg=key)
+        assert staged["sent"] == direct["sent"]
+        # rank 0 keeps its row 0 and gets rank 1's rows 0-1; rank 1 gets rank 0's rows 1-2, keeps its row 2
+        mine = np.arange(6.0).reshape(3, 2) + 10 * r
+        theirs = np.arange(6.0).reshape(3, 2) + 10 * (1 - r)
+        expected = np.concatenate([mine[:1], theirs[:2]]) if r == 0 else np.concatenate([theirs[1:], mine[2:]])
+        np.testing.assert_array_equal(direct["out"], expected)
+        np.testing.assert_array_equal(direct["reduced"], [3.0])
+        np.testing.assert_array_equal(direct["flat"], np.arange(4.0) * 3)
+        np.testing.assert_array_equal(direct["gathered"], [[0, 7], [1, 7]])
+
+
 def test_epoch_account_resolves_phases_once():
     from bnsgcn.metrics.accounting import EpochAccount
 
@@ -212,6 +264,7 @@ def test_two_ranks_on_one_gpu_is_one_line_naming_the_fix(monkeypatch, nccl_says,
         assert (
             "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60" in message
             and "CUDA_VISIBLE_DEVICES" in message
+            and "--ranks-per-gpu N" in message
         )
 
 

@@ -6,7 +6,8 @@ skips apart; `pytest -rs` names them). On a GPU machine run
     .venv/bin/python -m pytest -q -rs tests/test_gpu.py
 
 With one GPU only one NCCL rank can run (NCCL refuses two ranks on one device): every test
-here is world size 1. tests/test_nccl.py holds the 2-rank NCCL runs, which need two GPUs.
+here is world size 1. tests/test_nccl.py holds the 2-rank NCCL runs, which need two GPUs;
+tests/test_shared_gpu.py runs several gloo ranks on one GPU (--ranks-per-gpu).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bnsgcn.device import resolve_device
+from bnsgcn.config import TrainConfig, from_args, to_argv
+from bnsgcn.device import backend_for, gpu_index, gpus_needed, resolve_device
 from bnsgcn.errors import JobStopped, PeerLost, UserError
 from bnsgcn.launch import cli
 from bnsgcn.launch.discover import (
@@ -395,10 +396,11 @@ def test_gpus_beyond_this_machine_names_the_cpu_alternative(tmp_path, monkeypatc
     n = torch.cuda.device_count() + 1
     status, _, err = run_cli(["--gpus", str(n)], capsys)
     assert status == 2
-    assert (
-        err == f"error: --gpus {n} needs {n} CUDA GPU{'s' if n > 1 else ''} but this machine has {n - 1}; run on CPU "
-        f"with --procs {n} instead\n"
-    )
+    # where there are GPUs the line also names sharing them (tested in test_ranks_per_gpu_refused_in_one_line)
+    share = "" if n == 1 else f"share {'it' if n == 2 else 'them'} with --gpus "
+    gpus = f"{n} CUDA GPU{'s' if n > 1 else ''}"
+    assert err.startswith(f"error: --gpus {n} needs {gpus} but this machine has {n - 1}; {share}")
+    assert err.endswith(f"run on CPU with --procs {n} instead\n")
 
 
 def test_master_port_in_use(tmp_path, monkeypatch, capsys, clean_environment):
@@ -859,6 +861,116 @@ def test_one_device_rule_for_launcher_and_engine(tmp_path, monkeypatch, clean_en
     assert {
         c.argv[c.argv.index("--device") + 1] for c in cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
     } == {"cpu"}
+
+
+def test_ranks_sharing_a_gpu_take_consecutive_local_ranks_and_gloo():
+    """Local rank L on GPU L // N; ceil(ranks / N) GPUs; NCCL only with one rank per GPU."""
+    assert [gpu_index(local, 1) for local in range(4)] == [0, 1, 2, 3]
+    assert [gpu_index(local, 2) for local in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [gpu_index(local, 4) for local in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [gpus_needed(ranks, 3) for ranks in (1, 3, 4, 6, 7)] == [1, 1, 2, 2, 3]
+    assert (backend_for("cuda", 1), backend_for("cuda", 2), backend_for("cpu", 1), backend_for("cpu", 4)) == (
+        "nccl",
+        "gloo",
+        "gloo",
+        "gloo",
+    )
+
+
+def test_auto_device_counts_gpus_per_ranks_per_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [resolve_device("auto", 4, n) for n in (1, 2, 3, 4, 8)] == ["cpu", "cpu", "cpu", "cuda", "cuda"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [resolve_device("auto", 4, n) for n in (1, 2)] == ["cpu", "cuda"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_device("auto", 1, 4) == "cpu" and resolve_device("cuda", 4, 4) == "cuda"
+
+
+@pytest.mark.parametrize(
+    "argv, gpus, expected",
+    [
+        (
+            ["--procs", "2", "--ranks-per-gpu", "2"],
+            1,
+            "--ranks-per-gpu 2 shares CUDA GPUs among ranks but --procs 2 starts CPU ranks; pass --gpus G (2 ranks on "
+            "each of G GPUs) or --device cuda, or drop --ranks-per-gpu",
+        ),
+        (["--ranks-per-gpu", "2"], 1, "--ranks-per-gpu 2 shares CUDA GPUs among ranks but no --gpus was given;"),
+        (
+            ["--device", "cpu", "--ranks-per-gpu", "3"],
+            1,
+            "--ranks-per-gpu 3 shares CUDA GPUs among ranks but --device cpu was given; pass --gpus G (3 ranks",
+        ),
+        (["--gpus", "1", "--ranks-per-gpu", "0"], 1, "--ranks-per-gpu 0 must be a positive integer"),
+        (
+            ["--gpus", "2", "--ranks-per-gpu", "2"],
+            1,
+            "--gpus 2 --ranks-per-gpu 2 needs 2 CUDA GPUs but this machine has 1; share it with --gpus 1 "
+            "--ranks-per-gpu 4, or run on CPU with --procs 4 instead",
+        ),
+        (
+            ["--gpus", "4"],
+            2,
+            "--gpus 4 needs 4 CUDA GPUs but this machine has 2; share them with --gpus 2 --ranks-per-gpu 2, or run on "
+            "CPU with --procs 4 instead",
+        ),
+        (
+            ["--device", "cuda", "--ranks-per-gpu", "2", "--parts-dir", "parts/six"],
+            2,
+            "--device cuda --ranks-per-gpu 2 with 6 ranks on this machine needs 3 CUDA GPUs but this machine has 2; "
+            "share them with --gpus 2 --ranks-per-gpu 3",
+        ),
+    ],
+)
+def test_ranks_per_gpu_refused_in_one_line(tmp_path, monkeypatch, capsys, clean_environment, argv, gpus, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.chdir(tmp_path)
+    if "parts/six" in argv:
+        make_set(tmp_path / "parts" / "six", 6)
+    status, out, err = run_cli(argv, capsys)
+    assert status == 2 and out == ""
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+
+
+def test_launcher_starts_ranks_per_gpu_times_gpus_and_passes_n_down(tmp_path, monkeypatch, clean_environment):
+    """--gpus 1 --ranks-per-gpu 4 on a one-GPU machine: four CUDA ranks, every one told N
+    (the setting config.json records), so each takes GPU 0 by the engine's rule."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "four", 4)
+    command = ["--gpus", "1", "--ranks-per-gpu", "4", "--epochs", "2"]
+    api = [*to_argv(TrainConfig.from_settings(ranks_per_gpu=4, epochs=2)), "--gpus=1"]  # bnsgcn.train's flags
+    for argv in (command, api):
+        children = cli.prepare_local_ranks(cli.build_parser().parse_args(argv), argv)
+        assert [c.env["LOCAL_RANK"] for c in children] == ["0", "1", "2", "3"]
+        assert {(c.env["WORLD_SIZE"], c.env["LOCAL_WORLD_SIZE"]) for c in children} == {("4", "4")}
+        for child in children:
+            config = from_args(training_parser("rank").parse_args(child.argv[3:]))
+            assert (config.run.device, config.run.ranks_per_gpu, config.run.epochs) == ("cuda", 4, 2)
+            assert config.to_json()["ranks_per_gpu"] == 4
+            assert gpu_index(int(child.env["LOCAL_RANK"]), config.run.ranks_per_gpu) == 0
+
+
+def test_one_rank_of_torchrun_resolves_auto_with_ranks_per_gpu(tmp_path, monkeypatch, clean_environment):
+    """Under torchrun --device auto takes CUDA when the machine has a GPU per N local ranks;
+    --device cpu with N above 1 is refused."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    make_set(tmp_path / "parts" / "two", 2)
+    ranks = RankEnvironment("torchrun", 0, 2, 0, 2, "127.0.0.1", free_port(), 1)
+    for gpus, device in ((1, "cuda"), (0, "cpu")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        config = cli.prepare_rank(cli.build_parser().parse_args(["--ranks-per-gpu", "2"]), ranks)
+        assert (config.run.device, config.run.ranks_per_gpu) == (device, 2)
+    with pytest.raises(UserError, match="^--ranks-per-gpu 2 shares CUDA GPUs among ranks but --device cpu was given"):
+        cli.prepare_rank(cli.build_parser().parse_args(["--device", "cpu", "--ranks-per-gpu", "2"]), ranks)
 
 
 def test_run_directory_name_carries_the_job():

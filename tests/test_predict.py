@@ -195,3 +195,21 @@ def test_the_command_writes_npy_files_and_refuses_bad_input_with_one_line(runs, 
     refused = run_cli(PREDICT, [str(dirs["gat"]), "--embeddings", "7"], tmp_path)
     assert_user_error(refused, "--embeddings 7 is out of range")
     assert not (dirs["gat"] / "predictions.pt").exists()
+
+
+def test_prediction_ranks_share_gpus_as_training_ranks_do(runs, monkeypatch):
+    """--gpus 1 --ranks-per-gpu 2 on a one-GPU machine: two CUDA ranks, each told K (whatever
+    the training run used); K without --gpus is refused in one line."""
+    from bnsgcn.launch.predict import prepare
+    from bnsgcn.launch.rank import training_parser
+
+    _, _, _, dirs, _ = runs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    children, _ = prepare(dirs["gcn"], None, None, None, None, 1, ranks_per_gpu=2)
+    assert [c.env["LOCAL_RANK"] for c in children] == ["0", "1"]
+    for child in children:
+        assert child.argv[3] == "--rank"  # then the request, then the training flags
+        flags = training_parser("rank").parse_args(child.argv[5:])
+        assert (flags.device, flags.ranks_per_gpu) == ("cuda", 2)
+    with pytest.raises(UserError, match="^--ranks-per-gpu 2 shares CUDA GPUs among ranks but no --gpus was given"):
+        prepare(dirs["gcn"], None, None, None, None, None, ranks_per_gpu=2)

@@ -515,3 +515,13 @@ def test_a_damaged_metrics_file_is_one_line(tmp_path, capsys):
     assert report.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{run / report.METRICS_NAME}:2 is not a bnsgcn metrics record" in err
+
+
+def test_table_names_the_device_of_every_rank():
+    """A row under the header: each rank's device, the same GPU for ranks that shared it."""
+    assert report.render_table(_cuda_report()).splitlines()[2].split() == ["device", "cuda:0", "cuda:1"]
+    shared = _cuda_report()
+    for rank in shared["ranks"]:
+        rank["device"] = "cuda:0"  # two ranks on one GPU (--ranks-per-gpu 2)
+    assert report.render_table(shared).splitlines()[2].split() == ["device", "cuda:0", "cuda:0"]
+    assert report.render_table(_hand_report()).splitlines()[2].split() == ["device", "cpu", "cpu", "cpu"]

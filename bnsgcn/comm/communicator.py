@@ -9,6 +9,13 @@ machines). All-reduce bytes are not split: which links they cross is the backend
 a collective must already be on :attr:`Comm.device` (NCCL rejects CPU tensors); Comm
 refuses any other, on every backend and world size, so a test can declare another device
 to see where callers put what they send, without a GPU.
+
+Ranks that share a GPU (``--ranks-per-gpu`` above 1) run gloo on CUDA tensors, whose
+point-to-point and some collective paths take host tensors only: there Comm stages every
+collective through host memory (:attr:`Comm.host_staging`). The device tensors are copied
+to pinned host tensors, the collective runs on those, and its results are copied back to
+the device once it completes: at once for a blocking collective, in :meth:`Comm.wait`
+(:class:`StagedWork`) for a started one. Callers see the same tensors and works either way.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bnsgcn.comm.store import JobStore, interface_reaching, job_prefix, serve
-from bnsgcn.device import resolve_device
+from bnsgcn.device import backend_for, gpu_index, resolve_device
 from bnsgcn.errors import PeerLost, UserError, first_sentence
 from bnsgcn.metrics.timing import DeviceClock
 
@@ -84,8 +91,31 @@ class Nodes:
         return self.count > 1 and any(len(m) > 1 for m in self.members)
 
 
+class StagedWork:
+    """A collective started on host copies of device tensors (:attr:`Comm.host_staging`).
+    :meth:`wait` waits for it, then copies each result into the device tensor it stands
+    for; the host tensors sent stay referenced until then."""
+
+    def __init__(self, work: dist.Work, results: list[tuple[torch.Tensor, torch.Tensor]], sent: torch.Tensor):
+        self.work = work
+        self.results = results  # (device tensor, host tensor the collective writes)
+        self.sent = sent
+
+    def wait(self) -> bool:
+        self.work.wait()
+        for target, host in self.results:
+            # from pinned memory: queued on the current stream, ahead of every kernel that reads target
+            target.copy_(host, non_blocking=True)
+        self.results, self.sent = [], None  # copied once, however often waited
+        return True
+
+
 class Comm:
-    """One rank's view of the job: rank, world size, device and the collectives it uses."""
+    """One rank's view of the job: rank, world size, device and the collectives it uses.
+
+    ``host_staging``: run every collective on host copies of the tensors (see the module),
+    as gloo on CUDA tensors needs; :func:`init_from_env` sets it where ranks share a GPU.
+    """
 
     def __init__(
         self,
@@ -97,8 +127,10 @@ class Comm:
         nodes: Nodes | None = None,
         pipelined: bool = False,
         store: JobStore | None = None,
+        host_staging: bool = False,
     ):
         self.rank = rank
+        self.host_staging = host_staging
         self.store = store  # the job's key-value store, every call bounded (see report_progress)
         self.world_size = world_size
         self.local_rank = local_rank
@@ -150,6 +182,14 @@ class Comm:
                     "it to comm.device first"
                 )
 
+    def _host(self, tensor: torch.Tensor, values: bool = True) -> torch.Tensor:
+        """A host tensor shaped like ``tensor`` (pinned when it is on CUDA, so copies back are
+        asynchronous), holding its values when ``values``."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        if values:
+            host.copy_(tensor)  # blocking: gloo reads it from its own threads once the collective starts
+        return host
+
     def _count(self, category: str, sent: int, received: int) -> None:
         self.stats.sent[category] += sent
         self.stats.received[category] += received
@@ -194,9 +234,11 @@ class Comm:
             group = self.pipeline_group if pipelined else None
         if pipelined and group is None:
             raise RuntimeError("a pipelined all-to-all needs a Comm made with pipelined=True")
-        return dist.all_to_all_single(
-            out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True
+        sent, received = (self._host(send), self._host(out, values=False)) if self.host_staging else (send, out)
+        work = dist.all_to_all_single(
+            received, sent, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group, async_op=True
         )
+        return StagedWork(work, [(out, received)], sent) if self.host_staging else work
 
     def all_to_all(
         self,
@@ -216,7 +258,12 @@ class Comm:
         self._check_device(tensor)
         if self.world_size > 1:
             with self.stats.clock.timed(category):
-                dist.all_reduce(tensor)
+                if self.host_staging:
+                    host = self._host(tensor)
+                    dist.all_reduce(host)
+                    tensor.copy_(host, non_blocking=True)
+                else:
+                    dist.all_reduce(tensor)
             nbytes = tensor.numel() * tensor.element_size()
             self._count(category, nbytes, nbytes)
         return tensor
@@ -228,6 +275,9 @@ class Comm:
             return None
         nbytes = tensor.numel() * tensor.element_size()
         self._count("reduction", nbytes, nbytes)
+        if self.host_staging:
+            host = self._host(tensor)
+            return StagedWork(dist.all_reduce(host, group=self.reduce_group, async_op=True), [(tensor, host)], host)
         return dist.all_reduce(tensor, group=self.reduce_group, async_op=True)
 
     def wait(self, work: dist.Work | None, category: str = "reduction") -> None:
@@ -241,13 +291,15 @@ class Comm:
         self._check_device(tensor)
         if len(self.node_ranks) == 1:
             return tensor.unsqueeze(0).clone()
-        parts = [torch.empty_like(tensor) for _ in self.node_ranks]
+        mine = self._host(tensor) if self.host_staging else tensor
+        parts = [torch.empty_like(mine) for _ in self.node_ranks]
         with self.stats.clock.timed(category):
-            dist.all_gather(parts, tensor, group=self.node_group)
+            dist.all_gather(parts, mine, group=self.node_group)
         nbytes = tensor.numel() * tensor.element_size() * (len(self.node_ranks) - 1)
         self._count(category, nbytes, nbytes)
         self.stats.sent_intra[category] += nbytes
-        return torch.stack(parts)
+        gathered = torch.stack(parts)
+        return gathered.to(self.device, non_blocking=True) if self.host_staging else gathered
 
     def all_gather_object(self, obj: object) -> list:
         if self.world_size == 1:
@@ -395,30 +447,34 @@ def _wait_for_master(address: str, port: int, timeout: float) -> None:
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
+def init_from_env(device: str, timeout: float, pipelined: bool = False, ranks_per_gpu: int = 1) -> Comm:
     """Join the job described by MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
 
-    ``device`` is ``cuda`` (NCCL, one GPU per local rank), ``cpu`` (gloo) or ``auto``
-    (:func:`bnsgcn.device.resolve_device`: cuda when this machine has a GPU per local rank).
-    Every collective then fails after ``timeout`` seconds instead of waiting forever on a
-    dead rank. ``pipelined``: the job keeps boundary exchanges in flight across epochs
-    (``--staleness 1``), on a group of their own.
+    ``device`` is ``cuda`` (local rank L on GPU ``L // ranks_per_gpu``: NCCL with one rank
+    per GPU, gloo staged through host memory where ranks share one), ``cpu`` (gloo) or
+    ``auto`` (:func:`bnsgcn.device.resolve_device`: cuda when this machine has a GPU per
+    ``ranks_per_gpu`` local ranks). Every collective then fails after ``timeout`` seconds
+    instead of waiting forever on a dead rank. ``pipelined``: the job keeps boundary
+    exchanges in flight across epochs (``--staleness 1``), on a group of their own.
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    device = resolve_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), ranks_per_gpu)
+    backend = backend_for(device, ranks_per_gpu)
     if device == "cuda":
-        if torch.cuda.device_count() <= local_rank:
+        gpu = gpu_index(local_rank, ranks_per_gpu)
+        if torch.cuda.device_count() <= gpu:
             raise UserError(
-                f"rank {rank} needs GPU {local_rank} but this machine has {torch.cuda.device_count()}; "
-                "start fewer ranks per machine or train on CPU with --procs"
+                f"rank {rank} (local rank {local_rank}, {ranks_per_gpu} per GPU) needs GPU {gpu} but this machine has "
+                f"{torch.cuda.device_count()}; start fewer ranks per machine, share GPUs with --ranks-per-gpu, or "
+                "train on CPU with --procs"
             )
-        torch.cuda.set_device(local_rank)
-        torch_device, backend = torch.device("cuda", local_rank), "nccl"
-        # NCCL reports a failed peer as an error instead of hanging.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(gpu)
+        torch_device = torch.device("cuda", gpu)
     else:
-        torch_device, backend = torch.device("cpu"), "gloo"
+        torch_device = torch.device("cpu")
+    if backend == "nccl":  # NCCL reports a failed peer as an error instead of hanging.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     master_addr, master_port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT")
     if rank != 0:
         _wait_for_master(master_addr, master_port, timeout)
@@ -455,14 +511,22 @@ def init_from_env(device: str, timeout: float, pipelined: bool = False) -> Comm:
             raise
         # e.g. two launchers on one machine, each numbering its ranks' GPUs from 0
         raise UserError(
-            f"rank {rank} shares its GPU with another rank of the job (NCCL: {shared}); give every rank of a machine "
-            "its own LOCAL_RANK (one launcher per machine, or CUDA_VISIBLE_DEVICES per launcher), or train on CPU "
-            "with --procs"
+            f"rank {rank} shares its GPU with another rank of the job (NCCL: {shared}); to run several ranks on each "
+            "GPU pass --ranks-per-gpu N (gloo), else give every rank of a machine its own LOCAL_RANK (one launcher per "
+            "machine, or CUDA_VISIBLE_DEVICES per launcher), or train on CPU with --procs"
         ) from None
     keys = [node_key()]
     if world_size > 1:
         keys = [None] * world_size
         dist.all_gather_object(keys, node_key())
     return Comm(
-        rank, world_size, local_rank, torch_device, timeout, Nodes.from_keys(keys), pipelined, JobStore(store, timeout)
+        rank,
+        world_size,
+        local_rank,
+        torch_device,
+        timeout,
+        Nodes.from_keys(keys),
+        pipelined,
+        JobStore(store, timeout),
+        host_staging=backend == "gloo" and device == "cuda",
     )

@@ -62,6 +62,7 @@ def validate(config: TrainConfig) -> None:
         ("--heads", c.heads),
         ("--epochs", c.epochs),
         ("--keep-checkpoints", c.keep_checkpoints),
+        ("--ranks-per-gpu", c.ranks_per_gpu),
     ):
         if value < 1:
             raise UserError(f"{flag} {value} must be a positive integer")

@@ -282,7 +282,15 @@ class RunConfig:
     epochs: int = setting(200, "training epochs")
     seed: int = setting(0, "seed of parameters, sampling and dropout")
     device: str = setting(
-        "auto", "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per local rank"
+        "auto",
+        "auto | cpu | cuda (set by --gpus / --procs); auto = cuda when this machine has a GPU per --ranks-per-gpu "
+        "local ranks",
+    )
+    ranks_per_gpu: int = setting(
+        1,
+        "ranks sharing each CUDA GPU: --gpus G starts G x N ranks on this machine and local rank L trains on GPU "
+        "L // N; above 1 the ranks communicate over gloo, through host memory, instead of NCCL",
+        metavar="N",
     )
     threads: int | None = setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
     out: Path | None = setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")

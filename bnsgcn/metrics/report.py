@@ -248,9 +248,11 @@ def _layout(rows: list[list[str]]) -> str:
 
 
 def render_table(report: dict) -> str:
-    """Per rank, then max / mean / min / imbalance / straggler, one row per figure."""
+    """Per rank, then max / mean / min / imbalance / straggler, one row per figure, under a
+    row of the device each rank trained on (``cuda:0`` on each rank that shared GPU 0)."""
     ranks = report["ranks"]
     rows = [["figure"] + [f"rank {r['rank']}" for r in ranks] + ["max", "mean", "min", "max/mean", "straggler"]]
+    rows.append(["device"] + [r.get("device", "-") for r in ranks] + [""] * 5)
     for key in (k for k in BALANCE if k in report["summary"]):
         s, unit = report["summary"][key], BALANCE[key][1]
         if s is None:  # not measured on this device

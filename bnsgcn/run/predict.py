@@ -145,7 +145,7 @@ def run(config: TrainConfig, request: PredictRequest) -> dict[str, Tensor] | Non
 
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
-    comm = init_from_env(config.run.device, config.run.timeout)
+    comm = init_from_env(config.run.device, config.run.timeout, ranks_per_gpu=config.run.ranks_per_gpu)
     try:
         compile_kernels(comm)
         config = resolve_exchange_settings(config, comm)

@@ -107,7 +107,12 @@ def run(config: TrainConfig) -> dict:
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     memory.return_freed_memory()  # before any data: freed temporaries leave the process
-    comm = init_from_env(config.run.device, config.run.timeout, pipelined=config.exchange.staleness > 0)
+    comm = init_from_env(
+        config.run.device,
+        config.run.timeout,
+        pipelined=config.exchange.staleness > 0,
+        ranks_per_gpu=config.run.ranks_per_gpu,
+    )
     # After a failure the groups are left as they are: a peer may be dead or hung, and
     # tearing down a group with a collective in flight can block or abort the process,
     # which then hides the real error. The process ends right after anyway.
