@@ -195,7 +195,7 @@ def pyg_worker(args: argparse.Namespace) -> list[dict]:
     for precision in args.precision.split(","):
         measured = {"impl": "pyg", "variant": args.variant, "precision": precision, "ranks": 1}
         # the engine's own switches: TF32 matmuls on CUDA, autocast to bfloat16 (the loss in float32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32(precision, device)
+        allow_tf32(precision, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []

@@ -31,15 +31,18 @@ def compute_precision(precision: str, device: torch.device) -> AbstractContextMa
 
 
 def allow_tf32(precision: str, device: torch.device) -> bool:
-    """With ``tf32`` on a CUDA device, let its matmuls and cuDNN use TF32; returns whether
-    that was done (on CPU there is nothing to allow: the math stays float32, and
-    :func:`torch.set_float32_matmul_precision` is not called, as it may change oneDNN's CPU
-    matmuls)."""
-    if precision != "tf32" or device.type != "cuda":
+    """On a CUDA device, let matmuls use TF32 with ``tf32`` (and cuDNN, as it does by
+    default) and not otherwise: a process that runs several jobs does not carry one job's
+    setting into the next. Returns whether TF32 is on. On CPU there is nothing to allow: the
+    math stays float32, and :func:`torch.set_float32_matmul_precision` is not called, as it
+    may change oneDNN's CPU matmuls."""
+    if device.type != "cuda":
         return False
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return True
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if tf32:
+        torch.backends.cudnn.allow_tf32 = True
+    return tf32
 
 
 def float32_rows(x: Tensor) -> Tensor:
