@@ -22,6 +22,9 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_quick_cpu_run_writes_every_measurement(tmp_path):
+    """Every precision and rank count of GraphSAGE, its PyG paths, the products and a
+    profile; GAT's profile in this process (a run of the engine per model and combination
+    costs seconds each: tests/test_precision.py trains GAT at bf16)."""
     pyg = importlib.util.find_spec("torch_geometric") is not None
     done = _bench(
         "--device",
@@ -33,6 +36,8 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
         str(tmp_path / "work"),
         "--results",
         str(tmp_path),
+        "--models",
+        "graphsage",
         "--ranks",
         "1,2",
         "--precision",
@@ -45,10 +50,9 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
     assert document["graphs"]["quick"]["error"] is None
     runs = {(r["model"], r["impl"], r.get("variant"), r["precision"], r["ranks"]): r for r in document["runs"]}
     precisions = ("fp32", "bf16")
-    expected = {(m, "bnsgcn", None, p, n) for m in ("graphsage", "gat") for p in precisions for n in (1, 2)}
+    expected = {("graphsage", "bnsgcn", None, p, n) for p in precisions for n in (1, 2)}
     if pyg:
-        paths = (("graphsage", "edge_index"), ("graphsage", "csr"), ("gat", "edge_index"))
-        expected |= {(m, "pyg", v, p, 1) for m, v in paths for p in precisions}
+        expected |= {("graphsage", "pyg", v, p, 1) for v in ("edge_index", "csr") for p in precisions}
     assert set(runs) == expected and len(document["runs"]) == len(expected)
     for key, run in runs.items():
         if run.get("unsupported_precision"):  # PyG's path has no kernel at this precision: said so
@@ -70,24 +74,36 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
         assert row["fraction_of_copy_bandwidth"] == pytest.approx(
             row["bytes_compulsory"] / row["seconds"] / (document["machine"]["copy_bandwidth_gb_s"] * 1e9)
         )
+    from benchmarks.gpu import profile_aggregation, whole_graph_adjacency
+
     profiles = {r["model"]: r for r in document["profiles"]}
-    assert set(profiles) == {"graphsage", "gat"}
+    assert set(profiles) == {"graphsage"}
+    cpu = torch.device("cpu")
+    profiles["gat"] = profile_aggregation(whole_graph_adjacency(tmp_path / "work" / "parts-quick", cpu), cpu, "gat")
     for model, profile in profiles.items():
         assert profile["clock"] == "host" and profile["ms_per_call"] > 0 and profile["ops"], model
         assert sum(op["ms_per_call"] for op in profile["ops"]) <= profile["ms_per_call"] * (1 + 1e-9), model
     table = (tmp_path / "gpu-quick.md").read_text()
-    assert "quick, gat: one layer's aggregation" in table
+    assert "quick, graphsage: one layer's aggregation" in table
     assert "| quick | graphsage | bnsgcn | bf16 | 2 |" in table and "| quick | A X | 128 |" in table
     assert "Device: cpu" in table
 
 
-def test_bad_ranks_and_precisions_are_one_line(tmp_path):
+def test_bad_ranks_and_precisions_are_one_line(tmp_path, capsys):
+    from benchmarks.gpu import main
+
     for flags, line in (
         (("--precision", "fp8"), "error: unknown --precision 'fp8'; choose from fp32, tf32, bf16, comma-separated"),
         (("--ranks", "0,2"), "error: --ranks 0,2 is not a list of positive rank counts; pass e.g. --ranks 1,2,4"),
+        (("--ranks", "1,2", "--device", "cuda"), None),  # no GPU: that line; with one: ranks sharing it
     ):
-        done = _bench("--device", "cpu", "--quick", "--results", str(tmp_path), *flags)
-        assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], done.stderr
+        assert main(["--device", "cpu", "--quick", "--results", str(tmp_path), *flags]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        if line is None:
+            assert len(lines) == 1 and ("no CUDA GPU visible" in lines[0] or "--ranks above 1 on CUDA" in lines[0])
+        else:
+            assert lines == [line]
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
