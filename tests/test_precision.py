@@ -207,3 +207,40 @@ def test_bf16_trains_cora_as_well_as_fp32(tmp_path):
     print("cora test scores by precision (best-validation epoch):", json.dumps(scores))  # pytest -rP
     assert np.mean(scores["fp32"]) > 0.7, scores  # trained: the comparison means something
     assert abs(np.mean(scores["bf16"]) - np.mean(scores["fp32"])) <= 0.01, scores
+
+
+def test_dense_kernels_multiply_in_autocast_dtype_and_return_float32_gradients():
+    """linear_pair and linear_sum under autocast: bfloat16 outputs equal to torch's autocast
+    linear, the gradients of input, weights and bias float32 and close to float32's."""
+    from bnsgcn.kernels.dense import linear_pair, linear_sum
+
+    generator = torch.Generator().manual_seed(3)
+    x, x2 = (torch.randn(50, 12, generator=generator, requires_grad=True) for _ in range(2))
+    w_a, w_b = (torch.randn(6, 12, generator=generator, requires_grad=True) for _ in range(2))
+    bias = torch.randn(6, generator=generator, requires_grad=True)
+    leaves = (x, x2, w_a, w_b, bias)
+
+    def gradients(autocast: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        for t in leaves:
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = [*linear_pair(x, w_a, w_b, bias), linear_sum(bias, (x, w_a), (x2, w_b))]
+            expected = [
+                torch.nn.functional.linear(x, w_a, bias),
+                torch.nn.functional.linear(x, w_b),
+                torch.nn.functional.linear(x, w_a, bias) + torch.nn.functional.linear(x2, w_b),
+            ]
+        sum(o.float().square().sum() for o in outputs).backward()
+        return [t.detach() for pair in zip(outputs, expected) for t in pair], [t.grad for t in leaves]
+
+    products, grads = gradients(autocast=True)
+    exact_products, exact_grads = gradients(autocast=False)
+    assert [p.dtype for p in products[:4]] == [torch.bfloat16] * 4  # pair: autocast's own dtype
+    torch.testing.assert_close(products[0], products[1])  # as torch's autocast computes it
+    torch.testing.assert_close(products[2], products[3])
+    assert products[4].dtype == torch.bfloat16
+    torch.testing.assert_close(products[4].float(), exact_products[4], rtol=0.05, atol=0.1)
+    assert [g.dtype for g in grads] == [torch.float32] * 5
+    for g, exact in zip(grads, exact_grads):
+        torch.testing.assert_close(g, exact, rtol=0.05, atol=0.5)
+        assert not torch.equal(g, exact)  # really computed in bfloat16
