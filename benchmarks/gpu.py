@@ -1,16 +1,23 @@
-"""One GPU, one rank, p = 1: the engine against PyTorch Geometric on the
-same GPU, and the sparse products against the GPU's memory bandwidth.
+"""One GPU, p = 1: the engine against PyTorch Geometric on the same GPU, at each precision
+and rank count, and the sparse products against the GPU's memory bandwidth.
 
 For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,965 nodes,
-~114M directed edges, 602 features, when it fits) and each model (GraphSAGE 3 x 128, GAT
-3 x 32 x 4 heads, the suite's sizes), it records:
+~114M directed edges, 602 features, when it fits), each model (GraphSAGE 3 x 128, GAT
+3 x 32 x 4 heads, the suite's sizes), each ``--precision`` (fp32, tf32, bf16; default fp32)
+and each ``--ranks`` count (default 1), it records:
 
-* the engine (``bnsgcn-train --gpus 1``): steady-state epoch time (median of the epochs
-  after the first two), peak device memory allocated and reserved (report.json);
-* PyTorch Geometric (benchmarks/pyg_reference.py's models, moved to the device): both
-  aggregation paths for GraphSAGE (``edge_index`` gather/scatter and CSR ``adj_t``), the
-  edge list for GAT; epoch time (median after the first two, each epoch synchronised) and
-  peak device memory; a path that runs out of memory is recorded as such;
+* the engine (``bnsgcn-train --gpus 1 --precision P``; R ranks on a partition set of R
+  parts): steady-state epoch time (median of the epochs after the first two), peak device
+  memory allocated and reserved per rank and their maximum (report.json). Ranks above 1
+  need ranks that share the one GPU, which ``bnsgcn-train`` cannot start: on CUDA the
+  script refuses them; with ``--device cpu`` they are ``--procs`` ranks;
+* PyTorch Geometric (benchmarks/pyg_reference.py's models, moved to the device), one
+  process, at each precision (bf16: the forward pass under ``torch.autocast``; tf32: TF32
+  matmuls on CUDA): both aggregation paths for GraphSAGE (``edge_index`` gather/scatter and
+  CSR ``adj_t``), the edge list for GAT; epoch time (median after the first two, each
+  epoch synchronised) and peak device memory (reset for each precision; the host's peak
+  resident memory is the process's so far); a path that runs out of memory is recorded as
+  such;
 * the sparse products ``A X`` and ``A^T Y`` of the engine's kernels at widths 128 and F:
   time (CUDA events, median of repeats) and the bytes they must touch (CSR arrays once,
   ``X`` read once, ``Y`` written once) over the time, as a fraction of the device's copy
@@ -19,14 +26,15 @@ For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,96
 * one layer's aggregation per model (``A X`` at width 128; GAT's attention over 4 heads x
   32), forward and backward, under torch's profiler: its time and largest operations.
 
-Results go to ``RESULTS/gpu.json`` (merged by graph, model and implementation, so graphs can
-run in separate calls) and ``RESULTS/gpu.md``. On a GPU machine::
+Results go to ``RESULTS/gpu.json`` (merged by graph, model, implementation, precision and
+ranks, so graphs can run in separate calls) and ``RESULTS/gpu.md``. On a GPU machine::
 
-    python -m benchmarks.gpu --graphs reference            # then:
-    python -m benchmarks.gpu --graphs reddit
+    python -m benchmarks.gpu --graphs reference --precision fp32,tf32,bf16   # then:
+    python -m benchmarks.gpu --graphs reddit --precision fp32,tf32,bf16
 
 ``--device cpu --quick`` runs every step on a tiny graph on the CPU (gloo, numba kernels,
-host timers), to check the script end to end without a GPU; it writes ``gpu-quick.*``.
+host timers; ``--ranks 1,2`` as CPU ranks), to check the script end to end without a GPU;
+it writes ``gpu-quick.*``.
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.suite import MODELS, REPO, execute, machine, size_flags
+from bnsgcn.config import PRECISIONS
 from bnsgcn.data.format import load_partition
+from bnsgcn.nn.precision import allow_tf32, compute_precision
 
 GRAPHS = {
     # the tool writes the Reddit layout; without it, the same sizes from the synthetic
@@ -65,38 +75,50 @@ def log(text: str) -> None:
 
 
 # ----------------------------------------------------------------------------- graphs
-def prepare_graph(name: str, work: Path, tool: Path = REFERENCE_TOOL) -> tuple[Path, str, str | None]:
-    """A one-partition set of graph ``name`` under ``work``: (path, how it was made, error)."""
-    parts = work / f"parts-{name}"
+def prepare_graph(
+    name: str, work: Path, tool: Path = REFERENCE_TOOL, num_parts: int = 1
+) -> tuple[Path, str, str | None]:
+    """A set of ``num_parts`` partitions of graph ``name`` under ``work``: (path, how it was made, error)."""
+    parts = work / (f"parts-{name}" if num_parts == 1 else f"parts-{name}-{num_parts}")
     if (parts / "manifest.json").is_file():
         return parts, "reused", None
     if name == "reference" and tool.is_file():
         data = work / "data-reference"
-        _, error = execute(["python", str(tool), "--out", str(data)], os.cpu_count() or 1, TIMEOUT_S)
-        if error:
-            return parts, "make_reference_graph.py", error
+        if not data.is_dir():
+            _, error = execute(["python", str(tool), "--out", str(data)], os.cpu_count() or 1, TIMEOUT_S)
+            if error:
+                return parts, "make_reference_graph.py", error
         command, source = (
             ["bnsgcn-partition", "reddit", "--data-dir", str(data)],
             "make_reference_graph.py (200k nodes, 128 features, 16 classes)",
         )
     else:
         command, source = ["bnsgcn-partition", GRAPHS[name]], GRAPHS[name]
-    _, error = execute([*command, "--parts", "1", "--out", str(parts)], os.cpu_count() or 1, TIMEOUT_S)
+    _, error = execute([*command, "--parts", str(num_parts), "--out", str(parts)], os.cpu_count() or 1, TIMEOUT_S)
     return parts, source, error
 
 
 # ----------------------------------------------------------------------------- engine
-def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, threads: int) -> dict:
-    run_dir = work / f"run-{parts.name}-{model}-{device}"
-    ranks = ["--gpus", "1"] if device == "cuda" else ["--procs", "1", "--threads", str(threads)]
+def run_engine(
+    parts: Path, model: str, device: str, epochs: int, work: Path, threads: int, precision: str = "fp32", ranks: int = 1
+) -> dict:
+    """``bnsgcn-train`` of ``model`` on ``parts`` (a set of ``ranks`` partitions), one rank
+    per partition, at ``precision``: its epoch time and each rank's peak memory."""
+    run_dir = work / f"run-{parts.name}-{model}-{device}-{precision}"
+    if device == "cuda":  # main() refuses more than one CUDA rank
+        where = ["--gpus", "1"]
+    else:
+        where = ["--procs", str(ranks), "--threads", str(max(1, threads // ranks))]
     command = [
         "bnsgcn-train",
         "--parts-dir",
         str(parts),
-        *ranks,
+        *where,
         "--model",
         model,
         *size_flags(model),
+        "--precision",
+        precision,
         "--p",
         "1",
         "--epochs",
@@ -116,20 +138,33 @@ def run_engine(parts: Path, model: str, device: str, epochs: int, work: Path, th
         return result | {"error": error, "out_of_memory": "out of memory" in error.lower()}
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [line["time"]["epoch"] for line in lines if "time" in line]
-    rank = json.loads((run_dir / "report.json").read_text())["ranks"][0]
+    per_rank = json.loads((run_dir / "report.json").read_text())["ranks"]
+
+    def peaks(key: str) -> list[int | None]:
+        return [rank.get(key) for rank in per_rank]
+
+    def largest(values: list[int | None]) -> int | None:
+        return None if None in values else max(values)
+
+    allocated, reserved = peaks("peak_cuda_allocated_bytes"), peaks("peak_cuda_reserved_bytes")
     return result | {
         "epoch_time_s": statistics.median(times[WARMUP:] or times),
         "epoch_times_s": times,
-        "peak_device_allocated_bytes": rank.get("peak_cuda_allocated_bytes"),
-        "peak_device_reserved_bytes": rank.get("peak_cuda_reserved_bytes"),
-        "peak_rss_bytes": rank["peak_rss_bytes"],
-        "time_split_s": rank["time_split"],
+        # the largest of any rank, and each rank's (index = rank)
+        "peak_device_allocated_bytes": largest(allocated),
+        "peak_device_reserved_bytes": largest(reserved),
+        "peak_rss_bytes": largest(peaks("peak_rss_bytes")),
+        "per_rank_peak_device_allocated_bytes": allocated,
+        "per_rank_peak_device_reserved_bytes": reserved,
+        "per_rank_peak_rss_bytes": peaks("peak_rss_bytes"),
+        "time_split_s": per_rank[0]["time_split"],
     }
 
 
 # ----------------------------------------------------------------------------- PyG
-def pyg_worker(args: argparse.Namespace) -> dict:
-    """One PyG measurement in this process (run as a subprocess: its own memory peaks)."""
+def pyg_worker(args: argparse.Namespace) -> list[dict]:
+    """PyG's measurements of one model and aggregation path in this process (run as a
+    subprocess: its own memory peaks), one per precision of ``args.precision``."""
     import torch_geometric
     from torch_geometric.utils import spmm
 
@@ -156,37 +191,51 @@ def pyg_worker(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     index = mask.nonzero().flatten()
     n_train = index.numel()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.epochs):
-        start = time.perf_counter()
-        model.train()
-        optimizer.zero_grad()
-        logits = model(features, x_agg, adj)
-        loss = F.cross_entropy(logits[index], labels[index], reduction="sum") / n_train
-        loss.backward()
-        optimizer.step()
+    results = []
+    for precision in args.precision.split(","):
+        measured = {"impl": "pyg", "variant": args.variant, "precision": precision, "ranks": 1}
+        # the engine's own switches: TF32 matmuls on CUDA, autocast to bfloat16 (the loss in float32)
+        allow_tf32(precision, device)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    result = {
-        "impl": "pyg",
-        "variant": args.variant,
-        "torch_geometric": torch_geometric.__version__,
-        "epoch_time_s": statistics.median(times[WARMUP:] or times),
-        "epoch_times_s": times,
-        "peak_rss_bytes": peak_rss_bytes(),
-    }
-    if device.type == "cuda":
-        result |= {
-            "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        try:
+            for _ in range(args.epochs):
+                start = time.perf_counter()
+                model.train()
+                optimizer.zero_grad()
+                with compute_precision(precision, device):
+                    logits = model(features, x_agg, adj)
+                loss = F.cross_entropy(logits[index].float(), labels[index], reduction="sum") / n_train
+                loss.backward()
+                optimizer.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+        except RuntimeError as exc:  # e.g. a sparse product without a bfloat16 kernel
+            if precision == "fp32" or "out of memory" in str(exc).lower():
+                raise
+            results.append(measured | {"error": str(exc).splitlines()[0][:300], "unsupported_precision": True})
+            continue
+        result = measured | {
+            "torch_geometric": torch_geometric.__version__,
+            "epoch_time_s": statistics.median(times[WARMUP:] or times),
+            "epoch_times_s": times,
+            "peak_rss_bytes": peak_rss_bytes(),
         }
-    return result
+        if device.type == "cuda":
+            result |= {
+                "peak_device_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            }
+        results.append(result)
+    return results
 
 
-def run_pyg(parts: Path, model: str, variant: str, device: str, epochs: int, threads: int) -> dict:
+def run_pyg(
+    parts: Path, model: str, variant: str, device: str, epochs: int, threads: int, precisions: list[str]
+) -> list[dict]:
+    """PyG's measurements of ``model`` by ``variant``, one per precision (see :func:`pyg_worker`)."""
     command = [
         sys.executable,
         "-m",
@@ -204,15 +253,19 @@ def run_pyg(parts: Path, model: str, variant: str, device: str, epochs: int, thr
         str(epochs),
         "--threads",
         str(threads),
+        "--precision",
+        ",".join(precisions),
     ]
+    failed = {"impl": "pyg", "variant": variant, "ranks": 1}
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {"impl": "pyg", "variant": variant, "error": f"timed out after {TIMEOUT_S} s"}
+        return [failed | {"precision": p, "error": f"timed out after {TIMEOUT_S} s"} for p in precisions]
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-        return {"impl": "pyg", "variant": variant, "error": tail, "out_of_memory": "out of memory" in tail.lower()}
+        error = {"error": tail, "out_of_memory": "out of memory" in tail.lower()}
+        return [failed | {"precision": p} | error for p in precisions]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -336,7 +389,7 @@ def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) ->
 
 # ----------------------------------------------------------------------------- output
 def _merge(path: Path, document: dict) -> dict:
-    """Add this call's results to those already in ``path`` (same graph/model/impl replaced)."""
+    """Add this call's results to those already in ``path`` (same graph/model/impl/precision/ranks replaced)."""
     if path.is_file():
         old = json.loads(path.read_text())
 
@@ -346,6 +399,8 @@ def _merge(path: Path, document: dict) -> dict:
                 r.get("model"),
                 r.get("impl"),
                 r.get("variant"),
+                r.get("precision", "fp32"),  # records of earlier calls: fp32, one rank
+                r.get("ranks", 1),
                 r.get("product"),
                 r.get("width"),
             )
@@ -392,12 +447,13 @@ def render(document: dict) -> str:
         f"Device: {m.get('device_name')} ({m.get('device')}), torch {m.get('torch')}, "
         f"copy bandwidth {m.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s",
         "",
-        "| graph | model | implementation | epoch (s) | peak device allocated (MiB) | peak device reserved (MiB) "
-        "| vs PyG epoch | vs PyG memory |",
-        "|---|---|---|---|---|---|---|---|",
+        "| graph | model | implementation | precision | ranks | epoch (s) | peak device allocated (MiB) "
+        "| peak device reserved (MiB) | vs PyG epoch | vs PyG memory |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = document["runs"]
     for run in runs:
+        precision, ranks = run.get("precision", "fp32"), run.get("ranks", 1)  # earlier calls: fp32, one rank
         best_pyg = min(
             (
                 r
@@ -405,17 +461,18 @@ def render(document: dict) -> str:
                 if r["impl"] == "pyg"
                 and r["graph"] == run["graph"]
                 and r["model"] == run["model"]
+                and r.get("precision", "fp32") == precision
                 and "epoch_time_s" in r
             ),
             key=lambda r: r["epoch_time_s"],
             default=None,
         )
         name = run["impl"] + (f" ({run['variant']})" if run.get("variant") else "")
+        setting = f"| {run['graph']} | {run['model']} | {name} | {precision} | {ranks} "
         if "error" in run:
-            lines.append(
-                f"| {run['graph']} | {run['model']} | {name} "
-                f"| {'out of memory' if run.get('out_of_memory') else 'failed'} | | | | |"
-            )
+            failure = "out of memory" if run.get("out_of_memory") else "failed"
+            failure = "not at this precision" if run.get("unsupported_precision") else failure
+            lines.append(setting + f"| {failure} | | | | |")
             continue
         ratio = memory = ""
         if run["impl"] == "bnsgcn" and best_pyg is not None:
@@ -423,8 +480,7 @@ def render(document: dict) -> str:
             if run.get("peak_device_allocated_bytes") and best_pyg.get("peak_device_allocated_bytes"):
                 memory = f"{run['peak_device_allocated_bytes'] / best_pyg['peak_device_allocated_bytes']:.2f}x"
         lines.append(
-            f"| {run['graph']} | {run['model']} | {name} | {run['epoch_time_s']:.4f} "
-            f"| {_mib(run.get('peak_device_allocated_bytes'))} | "
+            setting + f"| {run['epoch_time_s']:.4f} | {_mib(run.get('peak_device_allocated_bytes'))} | "
             f"{_mib(run.get('peak_device_reserved_bytes'))} | {ratio} | {memory} |"
         )
     lines += [
@@ -453,16 +509,40 @@ def render(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _precisions(text: str) -> list[str]:
+    """The precisions of ``--precision`` (each once, in order), or ValueError naming the choices."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",")))
+    unknown = [name for name in names if name not in PRECISIONS]
+    if unknown:
+        raise ValueError(f"unknown --precision {unknown[0]!r}; choose from {', '.join(PRECISIONS)}, comma-separated")
+    return names
+
+
+def _rank_counts(text: str) -> list[int]:
+    """The rank counts of ``--ranks`` (each once, in order), or ValueError."""
+    try:
+        counts = list(dict.fromkeys(int(count) for count in text.split(",")))
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--ranks {text} is not a list of positive rank counts; pass e.g. --ranks 1,2,4")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
-        "--quick", action="store_true", help="a tiny graph, 4 epochs, few repeats: checks the script, measures nothing"
+        "--quick", action="store_true", help="a tiny graph, 3 epochs, few repeats: checks the script, measures nothing"
     )
     parser.add_argument(
         "--graphs", default="reference,reddit", help="comma-separated: reference, reddit (with --quick: quick)"
     )
     parser.add_argument("--models", default="graphsage,gat")
+    parser.add_argument(
+        "--ranks", default="1", help="comma-separated rank counts, e.g. 1,2,4 (above 1: --device cpu only, for now)"
+    )
+    parser.add_argument("--precision", default="fp32", help="comma-separated: fp32, tf32, bf16 (bnsgcn-train's)")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -489,11 +569,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.pyg_worker:
         print(json.dumps(pyg_worker(args)))
         return 0
+    try:
+        precisions, rank_counts = _precisions(args.precision), _rank_counts(args.ranks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU", file=sys.stderr)
         return 2
+    if args.device == "cuda" and max(rank_counts) > 1:
+        print(
+            "error: --ranks above 1 on CUDA needs ranks that share the one GPU, which bnsgcn-train cannot start; "
+            "pass --ranks 1, or --device cpu for CPU ranks",
+            file=sys.stderr,
+        )
+        return 2
     graphs = ["quick"] if args.quick else args.graphs.split(",")
-    epochs = 4 if args.quick else args.epochs
+    epochs = 3 if args.quick else args.epochs
     repeats = 3 if args.quick else 20
     device = torch.device(args.device)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -507,32 +599,42 @@ def main(argv: list[str] | None = None) -> int:
     document: dict = {"machine": info, "graphs": {}, "runs": [], "spmm": [], "profiles": []}
     stem = "gpu-quick" if args.quick else "gpu"
     for graph in graphs:
-        log(f"{graph}: partition set")
-        parts, source, error = prepare_graph(graph, args.work, args.reference_tool)
-        document["graphs"][graph] = {"source": source, "error": error}
-        if error:
-            log(f"{graph}: could not be prepared: {error}")
+        log(f"{graph}: partition sets")
+        # one partition (PyG's and the sparse products' whole graph), and one per rank of each count
+        prepared = {
+            n: prepare_graph(graph, args.work, args.reference_tool, n) for n in dict.fromkeys([1, *rank_counts])
+        }
+        errors = [error for _, _, error in prepared.values() if error]
+        parts = {n: path for n, (path, _, _) in prepared.items()}
+        document["graphs"][graph] = {"source": prepared[1][1], "error": errors[0] if errors else None}
+        if errors:
+            log(f"{graph}: could not be prepared: {errors[0]}")
             save(args.results, stem, document)
             continue
+        single = parts[1]
         for model in args.models.split(","):
-            log(f"{graph} {model}: bnsgcn")
-            document["runs"].append(
-                {"graph": graph, "model": model}
-                | run_engine(parts, model, args.device, epochs, args.work, args.threads)
-            )
-            save(args.results, stem, document)
-            if not args.skip_pyg:
-                for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
-                    log(f"{graph} {model}: pyg {variant}")
+            for precision in precisions:
+                for ranks in rank_counts:
+                    log(f"{graph} {model}: bnsgcn, {precision}, {ranks} rank(s)")
                     document["runs"].append(
-                        {"graph": graph, "model": model}
-                        | run_pyg(parts, model, variant, args.device, epochs, args.threads)
+                        {"graph": graph, "model": model, "precision": precision, "ranks": ranks}
+                        | run_engine(
+                            parts[ranks], model, args.device, epochs, args.work, args.threads, precision, ranks
+                        )
                     )
                     save(args.results, stem, document)
+            if not args.skip_pyg:
+                for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
+                    log(f"{graph} {model}: pyg {variant}, {args.precision}")
+                    document["runs"] += [
+                        {"graph": graph, "model": model} | run
+                        for run in run_pyg(single, model, variant, args.device, epochs, args.threads, precisions)
+                    ]
+                    save(args.results, stem, document)
         log(f"{graph}: sparse products")
-        widths = sorted({128, int(load_partition(parts, 0)["features"].shape[1])})
+        widths = sorted({128, int(load_partition(single, 0)["features"].shape[1])})
         try:
-            adj = whole_graph_adjacency(parts, device)
+            adj = whole_graph_adjacency(single, device)
             document["spmm"] += [
                 {"graph": graph} | row for row in spmm_bandwidth(adj, device, widths, repeats, copy_bps)
             ]

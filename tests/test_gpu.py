@@ -177,3 +177,39 @@ def test_nonzero_rows_kernels_on_cuda_equal_the_cpu_ones():
     for a, b in zip(results["cpu"][:5], results["cuda"][:5]):
         assert torch.equal(a, b)
     torch.testing.assert_close(results["cuda"][5], results["cpu"][5])  # index_add_ on the GPU sums in its own order
+
+
+def record_tf32():
+    """Inside a rank: whether CUDA matmuls may use TF32 once the run is over (run_ranks' instrument)."""
+    return lambda: torch.backends.cuda.matmul.allow_tf32
+
+
+def test_tf32_and_bf16_train_on_one_gpu(tmp_path, one_part):
+    """--precision tf32 turns TF32 matmuls on for its run only, without the CPU's log line;
+    bf16 multiplies in bfloat16 on the GPU with float32 parameters, optimizer state and
+    loss, and resolves the wire format to bf16. One rank: no boundary row crosses, so the
+    halved bytes are tests/test_precision.py's (CPU ranks)."""
+    from .test_precision import record_dtypes
+
+    _, parts = one_part
+    configs = {
+        precision: reference.exact_config(
+            "graphsage", False, parts, tmp_path / precision, device="cuda", precision=precision, dropout=0.2
+        )
+        for precision in ("tf32", "fp32", "bf16")
+    }
+    tf32_flags = run_ranks(1, [configs["tf32"], configs["fp32"]], instrument=record_tf32)[0]
+    assert [r["instrumented"] for r in tf32_flags] == [True, False]  # not carried into the next run
+    assert "--precision tf32" not in (configs["tf32"].run.out / "log.txt").read_text()
+    bf16 = run_ranks(1, [configs["bf16"]], instrument=record_dtypes)[0][0]
+    assert bf16["instrumented"] == {
+        "gemm": ["torch.bfloat16"],
+        "logits": ["torch.float32"],
+        "loss": ["torch.float32"],
+        "optimizer_state": ["torch.float32"],
+    }
+    for config in configs.values():
+        losses = [r["loss"] for r in _epochs(config.run.out)]
+        assert len(losses) == config.run.epochs and all(np.isfinite(losses)), (config.run.precision, losses)
+    resolved = json.loads((configs["bf16"].run.out / "config.json").read_text())
+    assert (resolved["precision"], resolved["compress"], resolved["compress_grad"]) == ("bf16", "bf16", "bf16")

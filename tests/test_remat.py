@@ -84,7 +84,7 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
     for i, (a, b) in enumerate(zip(plain, remat)):
         label = (
             f"{a.model.name} precompute={a.model.use_precompute} norm={a.model.norm} "
-            f"staleness={a.exchange.staleness} compress={a.exchange.compress}"
+            f"staleness={a.exchange.staleness} compress={a.wire_format}"
         )
         assert _losses(b.run.out) == pytest.approx(_losses(a.run.out), rel=1e-5, abs=1e-6), label
         for rank in range(2):
@@ -102,7 +102,7 @@ def test_remat_gives_the_same_losses_gradients_and_traffic_and_keeps_less(larger
             # norm stays outside the segments, decoded int8 rows are kept (no view of an
             # exchange buffer): less, by less.
             saved = (ra["saved_activation_bytes"], rb["saved_activation_bytes"])
-            halved = a.model.name == "graphsage" and a.model.norm == "layer" and a.exchange.compress == "none"
+            halved = a.model.name == "graphsage" and a.model.norm == "layer" and a.wire_format == "none"
             assert saved[1] * (2 if halved else 1) < saved[0], (label, saved)
 
 

@@ -64,10 +64,7 @@ def test_flat_settings_address_the_sections():
         4,
         2,
     )
-    assert (
-        config.exchange.grad_wire_format == "fp16"
-        and config.replace(compress_grad="int8").exchange.grad_wire_format == "int8"
-    )
+    assert config.grad_wire_format == "fp16" and config.replace(compress_grad="int8").grad_wire_format == "int8"
     assert config.settings()["eval_every"] == 4 and TrainConfig().replace(**config.settings()) == config
     assert list(config.to_json()) == list(SETTINGS)  # config.json: every setting by its flag's name
     with pytest.raises(TypeError, match="unknown training setting 'modle'"):

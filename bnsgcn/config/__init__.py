@@ -17,6 +17,7 @@ from bnsgcn.config.checks import (
 )
 from bnsgcn.config.flags import add_arguments, from_args, shown_default, to_argv
 from bnsgcn.config.sections import (
+    PRECISIONS,
     SETTINGS,
     WIRE_FORMATS,
     CheckpointConfig,
@@ -32,6 +33,7 @@ from bnsgcn.config.sections import (
 )
 
 __all__ = [
+    "PRECISIONS",
     "SETTINGS",
     "WIRE_FORMATS",
     "CheckpointConfig",

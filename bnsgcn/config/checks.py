@@ -25,6 +25,7 @@ from bnsgcn.config.sections import (
     NONZERO_ROWS,
     NORMS,
     OPTIMIZERS,
+    PRECISIONS,
     SETTINGS,
     WIRE_FORMATS,
     OptimConfig,
@@ -89,7 +90,7 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"unknown exchange {c.exchange!r}; choose --exchange from {', '.join(EXCHANGES)}")
     if c.nonzero_rows not in NONZERO_ROWS:
         raise UserError(f"unknown --nonzero-rows {c.nonzero_rows!r}; choose from {', '.join(NONZERO_ROWS)}")
-    for flag, value in (("--compress", c.compress), ("--compress-grad", config.exchange.grad_wire_format)):
+    for flag, value in (("--compress", config.wire_format), ("--compress-grad", config.grad_wire_format)):
         if value not in WIRE_FORMATS:
             raise UserError(f"unknown wire format {flag} {value}; choose from {', '.join(WIRE_FORMATS)}")
     if c.staleness not in (0, 1):
@@ -112,6 +113,8 @@ def validate(config: TrainConfig) -> None:
     if c.work_pool:
         check_work_pool(c.p, c.staleness, c.norm, c.inductive)
     parse_delays(c.inject_delay)
+    if c.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {c.precision!r}; choose --precision from {', '.join(PRECISIONS)}")
     if c.device not in DEVICES:
         raise UserError(f"unknown device {c.device!r}; use --device auto, cpu or cuda")
     if c.threads is not None and c.threads < 1:

@@ -29,6 +29,7 @@ MODEL_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-
 # the keyword arguments such a class is built with, PyG's names for them (and --model-options' own)
 MODEL_ARGUMENTS = ("in_channels", "hidden_channels", "out_channels", "num_layers", "dropout")
 WIRE_FORMATS = ("none", "fp16", "bf16", "int8", "int4")  # what bnsgcn.comm.wire encodes
+PRECISIONS = ("fp32", "tf32", "bf16")  # what bnsgcn.nn.precision sets up
 EXCHANGES = ("direct", "hierarchical", "auto")
 NONZERO_ROWS = ("auto", "on", "off")
 NORMS = ("layer", "batch", "none")
@@ -166,10 +167,12 @@ class ExchangeConfig:
         "entries, and their gradients at those entries alone: exact, about a third of the bytes after dropout 0.5, for "
         "a pass more over the rows each way; auto = on when the job spans several machines",
     )
-    compress: str = setting(
-        "none",
+    compress: str | None = setting(
+        None,
         "none | fp16 | bf16 | int8 | int4: how boundary rows cross the network "
-        "(int8/int4: per-row range, stochastic rounding; compute stays float32)",
+        "(int8/int4: per-row range, stochastic rounding; sums stay float32)",
+        type=str,
+        shown="the compute dtype: none, bf16 with --precision bf16",
     )
     compress_grad: str | None = setting(None, "the same for the rows' gradients", type=str, shown="as --compress")
     staleness: int = setting(
@@ -196,11 +199,6 @@ class ExchangeConfig:
         metavar="S",
         shown="off",
     )
-
-    @property
-    def grad_wire_format(self) -> str:
-        """Wire format of the boundary rows' gradients."""
-        return self.compress if self.compress_grad is None else self.compress_grad
 
 
 @dataclass(frozen=True)
@@ -292,6 +290,11 @@ class RunConfig:
         "L // N; above 1 the ranks communicate over gloo, through host memory, instead of NCCL",
         metavar="N",
     )
+    precision: str = setting(
+        "fp32",
+        "fp32 | tf32 | bf16: the dense products' precision; tf32 lets CUDA matmuls use TF32 (no effect on CPU), bf16 "
+        "runs them in bfloat16 under autocast while parameters, optimizer state, loss, sums and norms stay float32",
+    )
     threads: int | None = setting(None, "CPU threads per rank", type=int, shown="cores / local ranks")
     out: Path | None = setting(None, "run directory", type=Path, shown="a new runs/<timestamp>")
     force: bool = setting(
@@ -363,16 +366,31 @@ class TrainConfig:
         """Every setting by its flat name."""
         return {name: getattr(getattr(self, section), f.name) for name, (section, f) in SETTINGS.items()}
 
+    @property
+    def wire_format(self) -> str:
+        """Wire format of the boundary rows: ``--compress``, else the compute dtype's (``bf16`` with
+        ``--precision bf16``, else ``none``: float32)."""
+        if self.exchange.compress is not None:
+            return self.exchange.compress
+        return "bf16" if self.run.precision == "bf16" else "none"
+
+    @property
+    def grad_wire_format(self) -> str:
+        """Wire format of the boundary rows' gradients: ``--compress-grad``, else the rows' own."""
+        return self.wire_format if self.exchange.compress_grad is None else self.exchange.compress_grad
+
     def resolved(self, run_dir: Path, device: str, threads: int) -> TrainConfig:
         """This configuration with every choice left to the run made: precompute, run
-        directory, device type, threads and the gradients' wire format (what config.json
-        records; the run resolves ``exchange`` itself) and, with the cosine schedule, its length."""
+        directory, device type, threads and the wire formats of rows and gradients (what
+        config.json records; the run resolves ``exchange`` itself) and, with the cosine
+        schedule, its length."""
         return self.replace(
             precompute=self.model.use_precompute,
             out=run_dir,
             device=device,
             threads=threads,
-            compress_grad=self.exchange.grad_wire_format,
+            compress=self.wire_format,
+            compress_grad=self.grad_wire_format,
             cosine_epochs=(self.optim.cosine_length(self.run.epochs) if self.optim.lr_schedule == "cosine" else None),
         )
 

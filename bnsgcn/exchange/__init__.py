@@ -71,7 +71,7 @@ def make_exchange(
         if settings.max_lag is not None and comm.rank == 0:
             log.info("--max-lag %d: at --p 0 no boundary row travels, so there is nothing to lag", settings.max_lag)
         return LocalExchange(sampling)
-    rows_format, grads_format = WireFormat(settings.compress), WireFormat(settings.grad_wire_format)
+    rows_format, grads_format = WireFormat(config.wire_format), WireFormat(config.grad_wire_format)
     synchronous = BoundaryExchange(comm, rows_format, grads_format, settings.nonzero_rows == "on", sampling)
     if not settings.staleness:
         return synchronous

@@ -9,9 +9,16 @@ A sum of products is one node per product, as ``linear(x, W_s, b).addmm_(n, W_n^
 would record it: each node keeps only its own input, so backward frees ``n`` before it
 computes the gradient of ``x`` (one node for both would hold both inputs and both
 gradients at once: two activations more at backward's peak).
+
+Under :func:`torch.autocast` (``--precision bf16``) the products run in its dtype, as
+``torch.nn.functional.linear`` would: the entry functions cast the input, weights and bias
+to it outside the autograd Functions (the casts' backward returns parameter gradients in
+float32), and run the Functions without autocast, whose ``out=`` GEMMs it would not touch.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
@@ -116,6 +123,17 @@ class _LinearPair(torch.autograd.Function):
         return dx, dweight_a, dweight_b, dbias
 
 
+def _autocast(*tensors: Tensor | None) -> tuple[list[Tensor | None], AbstractContextManager]:
+    """``tensors`` cast to autocast's dtype where it is on for their device (differentiably),
+    and the context to run the product in (autocast off); else ``tensors`` as they are."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return list(tensors), nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [None if t is None else t.to(dtype) for t in tensors]
+    return cast, torch.autocast(device_type, enabled=False)
+
+
 def linear_pair(x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r""":math:`(X W_a^\top + b_a,\ X W_b^\top)`: two products of one input ``x`` [n, d_in],
     ``weight_a`` [d_a, d_in], ``weight_b`` [d_b, d_in], ``bias_a`` [d_a] or None; returns
@@ -125,17 +143,23 @@ def linear_pair(x: Tensor, weight_a: Tensor, weight_b: Tensor, bias_a: Tensor | 
     into the first's output (:math:`dX = dA\,W_a`, then :math:`dX \mathrel{+}= dB\,W_b`).
     Narrow ones: the weights stacked, one GEMM into [n, d_a + d_b] split into the two
     outputs, and backward's gradients put side by side for one GEMM. Differentiable w.r.t.
-    every input."""
-    return _LinearPair.apply(x, weight_a, weight_b, bias_a)
+    every input. Under autocast, in its dtype (see the module)."""
+    tensors, context = _autocast(x, weight_a, weight_b, bias_a)
+    with context:
+        return _LinearPair.apply(*tensors)
 
 
 def linear_sum(bias: Tensor | None, *terms: tuple[Tensor, Tensor]) -> Tensor:
     r""":math:`Y = \sum_k X_k W_k^\top + b`: each term ``(X_k [n, d_k], W_k [d_out, d_k])``,
     ``bias`` [d_out] or None; returns [n, d_out]. The later products are added into the
     first's output by the GEMMs themselves. Differentiable w.r.t. every input, weight and
-    the bias."""
+    the bias. Under autocast, in its dtype (see the module)."""
     (x, weight), *rest = terms
-    out = _Linear.apply(x, weight, bias)
+    (x, weight, bias), context = _autocast(x, weight, bias)
+    with context:
+        out = _Linear.apply(x, weight, bias)
     for x, weight in rest:
-        out = _AddLinear.apply(out, x, weight)
+        (x, weight), context = _autocast(x, weight)
+        with context:
+            out = _AddLinear.apply(out, x, weight)
     return out

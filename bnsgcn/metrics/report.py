@@ -295,7 +295,8 @@ def compare(
     """
     rows = [["figure (max over ranks)"] + [name for name, _ in reports]]
     settings = [
-        (label, lambda info, k=k: info.get("config", {}).get(k, "?")) for label, k in (("model", "model"), ("p", "p"))
+        (label, lambda info, k=k: info.get("config", {}).get(k, "?"))
+        for label, k in (("model", "model"), ("p", "p"), ("precision", "precision"))
     ]
     settings.append(("ranks", lambda info: info.get("world_size", "?")))
     for label, get in settings:
@@ -564,6 +565,18 @@ def build_parser() -> Parser:
     return parser
 
 
+def _precision_line(info: dict) -> str:
+    """The run's ``--precision`` and the wire formats it resolved to (one run shown; reports of older
+    releases lack them)."""
+    config = info.get("config") or {}
+    if "precision" not in config:
+        return ""
+    return (
+        f"\nprecision {config['precision']}, wire formats: rows {config['compress']}, "
+        f"gradients {config['compress_grad']}"
+    )
+
+
 def _summary_lines(outcome: dict, target: float | None) -> str:
     """A run's outcome under its table (one run shown)."""
     lines = []
@@ -597,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(reports) == 1:
         print(
             render_table(reports[0][1])
+            + _precision_line(reports[0][1]["info"])
             + ("" if outcomes[0] is None else _summary_lines(outcomes[0], args.target_accuracy))
         )
     else:

@@ -31,6 +31,7 @@ from bnsgcn.errors import UserError
 from bnsgcn.exchange.base import Exchange, InFlight
 from bnsgcn.kernels import Adjacency, gat_aggregate, spmm, spmm_add_
 from bnsgcn.kernels.adjacency import kept_entries
+from bnsgcn.nn.precision import float32_rows
 
 REDUCES = ("sum", "mean", "gcn")
 
@@ -189,7 +190,12 @@ class EpochGraph:
         The inner columns' product runs while the boundary rows are in flight (and in
         backward, while their gradients are), in the exchange's node
         (:meth:`Exchange.start_aggregating <bnsgcn.exchange.base.Exchange.start_aggregating>`).
+
+        The sum is float32: a bfloat16 ``x`` or ``into`` (a product under ``--precision bf16``)
+        is widened first, and its rows cross as the wire format says.
         """
+        x = float32_rows(x)
+        into = None if into is None else float32_rows(into)
         inner, boundary = self.adjacency(reduce)
         slot = self._slot(slot)
         if self.exchange.column_slice_bytes:
@@ -217,7 +223,8 @@ class EpochGraph:
         [n_inner, d_in] and the projection ``x -> z``, where ``d_in`` < ``H * D``), from
         their ``x`` rows projected here: the narrower rows cross. Moved in column slices,
         ``z`` crosses (its slices of every head's columns, after the owners' scores ``s``).
-        Needs the graph of a model whose class sets ``attention = True``.
+        Needs the graph of a model whose class sets ``attention = True``. The softmax and the
+        sums are float32 (a bfloat16 ``z`` is widened first).
         """
         if self.full is None:
             raise UserError(
@@ -225,11 +232,12 @@ class EpochGraph:
                 "aggregate with graph.aggregate"
             )
         slot = self._slot(slot)
+        z = float32_rows(z)
         if self.exchange.column_slice_bytes:
             return self._attend_in_slices(z, source_scores(z), target_scores(z), negative_slope)
         if from_input is not None:
             x, project = from_input
-            z_boundary = project(self.boundary_rows(x, slot))
+            z_boundary = float32_rows(project(self.boundary_rows(x, slot)))
         else:
             z_boundary = self.boundary_rows(z, slot)
         z_all = torch.cat([z, z_boundary])
@@ -241,7 +249,9 @@ class EpochGraph:
 
     def boundary_rows(self, x_inner: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         """Rows of the sampled boundary nodes, fetched from their owners (one exchange):
-        ``x_inner`` [n_inner, *row] -> [n_sampled, *row]."""
+        ``x_inner`` [n_inner, *row] -> [n_sampled, *row], float32 (a bfloat16 ``x_inner`` is
+        widened first)."""
+        x_inner = float32_rows(x_inner)
         slot = self._slot(slot)
         if self.exchange.column_slice_bytes:
             return self._boundary_rows_in_slices(x_inner)

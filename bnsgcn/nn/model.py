@@ -17,6 +17,7 @@ from bnsgcn.errors import UserError
 from bnsgcn.kernels import RecomputedDropout, dropout, layer_norm_relu_dropout
 from bnsgcn.nn.graph import EpochGraph
 from bnsgcn.nn.layers import LAYERS
+from bnsgcn.nn.precision import compute_precision, float32_rows
 from bnsgcn.nn.recompute import recomputed
 from bnsgcn.nn.user_model import build_user_model
 
@@ -111,7 +112,7 @@ class GNN(nn.Module):
         # the output layer may share the segment before it only when nothing between the two
         # draws random numbers that its recomputation would not draw again: the stochastic
         # rounding of int8/int4 rows does, and replayed rows are not rounded again
-        self.merge_output_segment = config.model.remat and not WireFormat(config.exchange.compress).draws_random_numbers
+        self.merge_output_segment = config.model.remat and not WireFormat(config.wire_format).draws_random_numbers
         layer_class = LAYERS[config.model.name]
         self.activation = layer_class.activation
         self.layers = nn.ModuleList()
@@ -222,7 +223,9 @@ class GNN(nn.Module):
 
     def _between_layers(self, norm: nn.Module, h: Tensor, bias: Tensor | None = None) -> Tensor:
         """(+ the layer's bias, where left to this step) -> norm -> activation -> the next
-        layer's input dropout; one fused pass for layer norm + ReLU."""
+        layer's input dropout; one fused pass for layer norm + ReLU. The norm runs in float32
+        (a bfloat16 product is widened first)."""
+        h = float32_rows(h)
         if self._fused(norm):
             return layer_norm_relu_dropout(h, norm.weight, norm.bias, norm.eps, self.dropout, self.training, shift=bias)
         return dropout(self.activation(norm(h)), self.dropout, self.training)
@@ -244,20 +247,24 @@ def build_model(config: TrainConfig, in_dim: int, num_classes: int, reduce: Call
     return build_user_model(config, in_dim, num_classes)
 
 
-def run_model(model: nn.Module, x: Tensor, graph: EpochGraph, x_agg: Tensor | None = None) -> Tensor:
+def run_model(
+    model: nn.Module, x: Tensor, graph: EpochGraph, x_agg: Tensor | None = None, precision: str = "fp32"
+) -> Tensor:
     """One forward pass of ``model`` over ``graph`` (its calls numbered from slot 0): logits
     [n_inner, C] from this rank's rows ``x`` [n_inner, F] (and the built-in models'
-    precomputed first aggregation ``x_agg``, where used). A user's model that returns
+    precomputed first aggregation ``x_agg``, where used), its products in ``precision``
+    (:mod:`bnsgcn.nn.precision`), the logits float32. A user's model that returns
     anything else is refused in one line."""
     graph.start_pass()
-    logits = model(x, graph) if x_agg is None else model(x, graph, x_agg)
+    with compute_precision(precision, x.device):
+        logits = model(x, graph) if x_agg is None else model(x, graph, x_agg)
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.shape[0] != x.shape[0]:
         got = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         raise UserError(
             f"the model's forward returned {got}; it must return logits [num_inner, classes], a row for each of the "
             f"{x.shape[0]} rows of x"
         )
-    return logits
+    return float32_rows(logits)
 
 
 def parameters_in_forward_order(model: nn.Module) -> list[nn.Parameter]:

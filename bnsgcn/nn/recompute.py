@@ -14,13 +14,15 @@ unpacks one, the segment runs again on the same inputs (detached), with the rand
 of the forward pass restored and inside ``replay()`` (so an exchange inside hands out the
 rows it received instead of moving them again), keeping every tensor autograd saves, in
 order; the unpacked tensor is the one at the same position. The two passes must save the
-same tensors in the same order: their number, shapes and dtypes are checked.
+same tensors in the same order: their number, shapes and dtypes are checked. The
+recomputation runs under the autocast state of the forward pass (backward runs outside it),
+so a bfloat16 product is recomputed in bfloat16 (``--precision bf16``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 from torch import Tensor
@@ -35,6 +37,8 @@ class _Segment:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_devices = sorted({a.device.index for a in args if isinstance(a, Tensor) and a.is_cuda})
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        # device type -> the dtype autocast runs the forward pass's products in
+        self.autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
         self.metadata: list[tuple[torch.Size, torch.dtype]] = []  # of the tensors the forward would have saved
         self.saved: list[Tensor] | None = None
 
@@ -62,13 +66,14 @@ class _Segment:
             torch.set_rng_state(self.cpu_rng)
             for device, state in zip(self.cuda_devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, device)
-            with (
-                torch.enable_grad(),
-                self.replay(),
-                torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]
-                ),
-            ):
+            with torch.enable_grad(), self.replay(), ExitStack() as contexts:
+                for device_type, dtype in self.autocast.items():
+                    contexts.enter_context(torch.autocast(device_type, dtype=dtype))
+                contexts.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]
+                    )
+                )
                 self.fn(*args)
         if [(t.shape, t.dtype) for t in saved] != self.metadata:
             raise RuntimeError(

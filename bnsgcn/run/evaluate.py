@@ -28,10 +28,11 @@ class Evaluation:
 
     ``buffer_bytes`` > 0: in column slices (see the module); 0: every row of a layer at once.
     ``slices`` counts the exchanges of the last pass (one per slice and layer; 0 unsliced).
+    ``precision``: the products' (``--precision``, :mod:`bnsgcn.nn.precision`), as in training.
     """
 
-    def __init__(self, comm: Comm, buffer_bytes: int) -> None:
-        self.comm, self.sliced = comm, buffer_bytes > 0
+    def __init__(self, comm: Comm, buffer_bytes: int, precision: str = "fp32") -> None:
+        self.comm, self.sliced, self.precision = comm, buffer_bytes > 0, precision
         self.exchange = ColumnSlicedExchange(comm, buffer_bytes) if self.sliced else BoundaryExchange(comm)
         self.slices = 0
 
@@ -50,7 +51,8 @@ class Evaluation:
         if self.sliced:
             self.exchange.slices = 0
         try:
-            return run_model(model, x, graph.epoch(keep, 1.0, plan, self.exchange, traffic=CATEGORY), x_agg)
+            epoch = graph.epoch(keep, 1.0, plan, self.exchange, traffic=CATEGORY)
+            return run_model(model, x, epoch, x_agg, self.precision)
         finally:
             self.slices = self.exchange.slices if self.sliced else 0
             self.exchange.release()

@@ -68,6 +68,7 @@ from bnsgcn.nn.graph import ShardGraph
 from bnsgcn.nn.layers import shard_graph
 from bnsgcn.nn.model import build_model, run_model
 from bnsgcn.nn.optim import Optimization, make_optimization
+from bnsgcn.nn.precision import allow_tf32
 from bnsgcn.run import checkpoint, directory
 from bnsgcn.run.evaluate import Evaluation
 from bnsgcn.run.predict import trained_on
@@ -439,6 +440,9 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         comm.nodes.count,
         config.exchange.mode,
     )
+    tf32_allowed = allow_tf32(config.run.precision, comm.device)
+    if config.run.precision == "tf32" and not tf32_allowed and comm.rank == 0:
+        log.info("--precision tf32: TF32 is a CUDA matmul mode; on %s the products stay float32", comm.device.type)
     torch.manual_seed(config.run.seed)  # identical initial parameters on every rank
     model = build_model(config, shard.features.shape[1], shard.num_classes, lambda t: comm.all_reduce(t))
     model = model.to(comm.device)
@@ -485,7 +489,7 @@ def _setup(config: TrainConfig, comm: Comm) -> Job:
         ),
         delay=InjectedDelay(parse_delays(config.sync.inject_delay), comm.rank, config.run.seed),
         exchange=exchange,
-        evaluation=Evaluation(comm, config.evaluation.buffer_bytes),
+        evaluation=Evaluation(comm, config.evaluation.buffer_bytes, config.run.precision),
         pool=pool,
         signature={
             "partition_set": set_id(shard.manifest),
@@ -567,7 +571,7 @@ def _train_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
     seed_step(derive_seed(config.run.seed, job.comm.rank, epoch, 1), job.comm.device)  # dropout
     resident = lambda: [inputs.features, inputs.x_agg, *job.exchange.buffers()]  # noqa: E731 (held anyway)
     with account.timed("forward"), account.saved_tensors(resident):
-        logits = run_model(job.model, inputs.features, g, inputs.x_agg)
+        logits = run_model(job.model, inputs.features, g, inputs.x_agg, config.run.precision)
         kept = getattr(job.model, "kept_for_recompute", [])  # the built-in GNN's segment inputs
         account.keep(kept + list((g.kept_rows or {}).values()))
         loss_sum = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
@@ -614,7 +618,7 @@ def _pool_epoch(job: Job, epoch: int, account: EpochAccount) -> None:
             # dropout drawn per partition and epoch: a step does not depend on the rank taking it
             seed_step(derive_seed(job.config.run.seed, taken[1], epoch, 1), job.comm.device)
             with account.timed("forward"):
-                logits = run_model(model, inputs.features, inputs.graph, inputs.x_agg)
+                logits = run_model(model, inputs.features, inputs.graph, inputs.x_agg, job.config.run.precision)
                 part_loss = _loss_sum(logits, inputs.labels, inputs.train_index, job.shard.multilabel)
             with account.timed("backward"):
                 # lockstep: the summed loss (the round's mean is taken after the all-reduce)
