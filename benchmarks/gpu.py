@@ -1,16 +1,16 @@
-"""One GPU, p = 1: the engine against PyTorch Geometric on the same GPU, at each precision
-and rank count, and the sparse products against the GPU's memory bandwidth.
+"""One GPU: the engine against PyTorch Geometric on the same GPU, at each precision, rank
+count and p, and the sparse products against the GPU's memory bandwidth.
 
 For each graph (the 200k reference graph; a Reddit-sized synthetic graph, 232,965 nodes,
 ~114M directed edges, 602 features, when it fits), each model (GraphSAGE 3 x 128, GAT
 3 x 32 x 4 heads, the suite's sizes), each ``--precision`` (fp32, tf32, bf16; default fp32)
-and each ``--ranks`` count (default 1), it records:
+each ``--ranks`` count (default 1) and each ``--p`` (default 1), it records:
 
-* the engine (``bnsgcn-train --gpus 1 --precision P``; R ranks on a partition set of R
-  parts): steady-state epoch time (median of the epochs after the first two), peak device
-  memory allocated and reserved per rank and their maximum (report.json). Ranks above 1
-  need ranks that share the one GPU, which ``bnsgcn-train`` cannot start: on CUDA the
-  script refuses them; with ``--device cpu`` they are ``--procs`` ranks;
+* the engine (``bnsgcn-train --gpus 1 --ranks-per-gpu R --precision P --p p``: R ranks
+  sharing the GPU, on a partition set of R parts; with ``--device cpu`` they are
+  ``--procs R`` ranks): steady-state epoch time (median of the epochs after the first two),
+  peak device memory allocated and reserved per rank and their maximum (report.json). With
+  one rank no boundary row exists, so every p is the same job: it runs at p = 1 alone;
 * PyTorch Geometric (benchmarks/pyg_reference.py's models, moved to the device), one
   process, at each precision (bf16: the forward pass under ``torch.autocast``; tf32: TF32
   matmuls on CUDA): both aggregation paths for GraphSAGE (``edge_index`` gather/scatter and
@@ -29,8 +29,8 @@ and each ``--ranks`` count (default 1), it records:
 Results go to ``RESULTS/gpu.json`` (merged by graph, model, implementation, precision and
 ranks, so graphs can run in separate calls) and ``RESULTS/gpu.md``. On a GPU machine::
 
-    python -m benchmarks.gpu --graphs reference --precision fp32,tf32,bf16   # then:
-    python -m benchmarks.gpu --graphs reddit --precision fp32,tf32,bf16
+    python -m benchmarks.gpu --graphs reference --precision fp32,tf32,bf16 --ranks 1,2,4 --p 1,0.1   # then:
+    python -m benchmarks.gpu --graphs reddit --precision fp32,tf32,bf16 --ranks 1,2,4 --p 1,0.1
 
 ``--device cpu --quick`` runs every step on a tiny graph on the CPU (gloo, numba kernels,
 host timers; ``--ranks 1,2`` as CPU ranks), to check the script end to end without a GPU;
@@ -100,13 +100,22 @@ def prepare_graph(
 
 # ----------------------------------------------------------------------------- engine
 def run_engine(
-    parts: Path, model: str, device: str, epochs: int, work: Path, threads: int, precision: str = "fp32", ranks: int = 1
+    parts: Path,
+    model: str,
+    device: str,
+    epochs: int,
+    work: Path,
+    threads: int,
+    precision: str = "fp32",
+    ranks: int = 1,
+    p: float = 1.0,
 ) -> dict:
     """``bnsgcn-train`` of ``model`` on ``parts`` (a set of ``ranks`` partitions), one rank
-    per partition, at ``precision``: its epoch time and each rank's peak memory."""
-    run_dir = work / f"run-{parts.name}-{model}-{device}-{precision}"
-    if device == "cuda":  # main() refuses more than one CUDA rank
-        where = ["--gpus", "1"]
+    per partition (on CUDA all sharing the one GPU), at ``precision`` and ``p``: its epoch
+    time and each rank's peak memory."""
+    run_dir = work / f"run-{parts.name}-{model}-{device}-{precision}-p{p:g}"
+    if device == "cuda":
+        where = ["--gpus", "1", "--ranks-per-gpu", str(ranks)]
     else:
         where = ["--procs", str(ranks), "--threads", str(max(1, threads // ranks))]
     command = [
@@ -120,7 +129,7 @@ def run_engine(
         "--precision",
         precision,
         "--p",
-        "1",
+        f"{p:g}",
         "--epochs",
         str(epochs),
         "--eval-every",
@@ -389,7 +398,7 @@ def profile_aggregation(adj, device: torch.device, model: str, top: int = 12) ->
 
 # ----------------------------------------------------------------------------- output
 def _merge(path: Path, document: dict) -> dict:
-    """Add this call's results to those already in ``path`` (same graph/model/impl/precision/ranks replaced)."""
+    """Add this call's results to those already in ``path`` (same graph/model/impl/precision/ranks/p replaced)."""
     if path.is_file():
         old = json.loads(path.read_text())
 
@@ -401,6 +410,7 @@ def _merge(path: Path, document: dict) -> dict:
                 r.get("variant"),
                 r.get("precision", "fp32"),  # records of earlier calls: fp32, one rank
                 r.get("ranks", 1),
+                r.get("p", 1.0),
                 r.get("product"),
                 r.get("width"),
             )
@@ -447,13 +457,14 @@ def render(document: dict) -> str:
         f"Device: {m.get('device_name')} ({m.get('device')}), torch {m.get('torch')}, "
         f"copy bandwidth {m.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s",
         "",
-        "| graph | model | implementation | precision | ranks | epoch (s) | peak device allocated (MiB) "
+        "| graph | model | implementation | precision | ranks | p | epoch (s) | peak device allocated (MiB) "
         "| peak device reserved (MiB) | vs PyG epoch | vs PyG memory |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = document["runs"]
     for run in runs:
-        precision, ranks = run.get("precision", "fp32"), run.get("ranks", 1)  # earlier calls: fp32, one rank
+        # earlier calls: fp32, one rank, p = 1
+        precision, ranks, p = run.get("precision", "fp32"), run.get("ranks", 1), run.get("p", 1.0)
         best_pyg = min(
             (
                 r
@@ -468,7 +479,7 @@ def render(document: dict) -> str:
             default=None,
         )
         name = run["impl"] + (f" ({run['variant']})" if run.get("variant") else "")
-        setting = f"| {run['graph']} | {run['model']} | {name} | {precision} | {ranks} "
+        setting = f"| {run['graph']} | {run['model']} | {name} | {precision} | {ranks} | {p:g} "
         if "error" in run:
             failure = "out of memory" if run.get("out_of_memory") else "failed"
             failure = "not at this precision" if run.get("unsupported_precision") else failure
@@ -529,6 +540,17 @@ def _rank_counts(text: str) -> list[int]:
     return counts
 
 
+def _sampling_rates(text: str) -> list[float]:
+    """The ps of ``--p`` (each once, in order), or ValueError."""
+    try:
+        rates = list(dict.fromkeys(float(rate) for rate in text.split(",")))
+    except ValueError:
+        rates = []
+    if not rates or not all(0 <= rate <= 1 for rate in rates):
+        raise ValueError(f"--p {text} is not a list of sampling rates in [0, 1]; pass e.g. --p 1,0.1")
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -540,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", default="graphsage,gat")
     parser.add_argument(
-        "--ranks", default="1", help="comma-separated rank counts, e.g. 1,2,4 (above 1: --device cpu only, for now)"
+        "--ranks", default="1", help="comma-separated rank counts, e.g. 1,2,4 (on CUDA: ranks sharing the one GPU)"
+    )
+    parser.add_argument(
+        "--p", default="1", help="comma-separated boundary sampling rates, e.g. 1,0.1 (one rank: p = 1 alone)"
     )
     parser.add_argument("--precision", default="fp32", help="comma-separated: fp32, tf32, bf16 (bnsgcn-train's)")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
@@ -570,19 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(pyg_worker(args)))
         return 0
     try:
-        precisions, rank_counts = _precisions(args.precision), _rank_counts(args.ranks)
+        precisions, rank_counts, rates = _precisions(args.precision), _rank_counts(args.ranks), _sampling_rates(args.p)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU visible; pass --device cpu --quick to check the script on the CPU", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and max(rank_counts) > 1:
-        print(
-            "error: --ranks above 1 on CUDA needs ranks that share the one GPU, which bnsgcn-train cannot start; "
-            "pass --ranks 1, or --device cpu for CPU ranks",
-            file=sys.stderr,
-        )
         return 2
     graphs = ["quick"] if args.quick else args.graphs.split(",")
     epochs = 3 if args.quick else args.epochs
@@ -615,14 +633,15 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             for precision in precisions:
                 for ranks in rank_counts:
-                    log(f"{graph} {model}: bnsgcn, {precision}, {ranks} rank(s)")
-                    document["runs"].append(
-                        {"graph": graph, "model": model, "precision": precision, "ranks": ranks}
-                        | run_engine(
-                            parts[ranks], model, args.device, epochs, args.work, args.threads, precision, ranks
+                    for p in rates if ranks > 1 else [1.0]:  # one rank has no boundary row to sample
+                        log(f"{graph} {model}: bnsgcn, {precision}, {ranks} rank(s), p = {p:g}")
+                        document["runs"].append(
+                            {"graph": graph, "model": model, "precision": precision, "ranks": ranks, "p": p}
+                            | run_engine(
+                                parts[ranks], model, args.device, epochs, args.work, args.threads, precision, ranks, p
+                            )
                         )
-                    )
-                    save(args.results, stem, document)
+                        save(args.results, stem, document)
             if not args.skip_pyg:
                 for variant in ("edge_index", "csr") if model == "graphsage" else ("edge_index",):
                     log(f"{graph} {model}: pyg {variant}, {args.precision}")

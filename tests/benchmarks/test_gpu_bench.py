@@ -22,9 +22,10 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_quick_cpu_run_writes_every_measurement(tmp_path):
-    """Every precision and rank count of GraphSAGE, its PyG paths, the products and a
-    profile; GAT's profile in this process (a run of the engine per model and combination
-    costs seconds each: tests/test_precision.py trains GAT at bf16)."""
+    """Every precision and rank count of GraphSAGE (two ranks at p = 0.5, one at p = 1 alone),
+    its PyG paths, the products and a profile; GAT's profile in this process (a run of the
+    engine per model and combination costs seconds each: tests/test_precision.py trains GAT
+    at bf16)."""
     pyg = importlib.util.find_spec("torch_geometric") is not None
     done = _bench(
         "--device",
@@ -42,17 +43,22 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
         "1,2",
         "--precision",
         "fp32,bf16",
+        "--p",
+        "0.5",
         *([] if pyg else ["--skip-pyg"]),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     document = json.loads((tmp_path / "gpu-quick.json").read_text())
     assert document["machine"]["device"] == "cpu" and document["machine"]["copy_bandwidth_gb_s"] > 0
     assert document["graphs"]["quick"]["error"] is None
-    runs = {(r["model"], r["impl"], r.get("variant"), r["precision"], r["ranks"]): r for r in document["runs"]}
+    runs = {
+        (r["model"], r["impl"], r.get("variant"), r["precision"], r["ranks"], r.get("p", 1.0)): r
+        for r in document["runs"]
+    }
     precisions = ("fp32", "bf16")
-    expected = {("graphsage", "bnsgcn", None, p, n) for p in precisions for n in (1, 2)}
+    expected = {("graphsage", "bnsgcn", None, p, n, rate) for p in precisions for n, rate in ((1, 1.0), (2, 0.5))}
     if pyg:
-        expected |= {("graphsage", "pyg", v, p, 1) for v in ("edge_index", "csr") for p in precisions}
+        expected |= {("graphsage", "pyg", v, p, 1, 1.0) for v in ("edge_index", "csr") for p in precisions}
     assert set(runs) == expected and len(document["runs"]) == len(expected)
     for key, run in runs.items():
         if run.get("unsupported_precision"):  # PyG's path has no kernel at this precision: said so
@@ -67,6 +73,7 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
             assert len(run["per_rank_peak_rss_bytes"]) == key[4], key
             assert run["peak_rss_bytes"] == max(run["per_rank_peak_rss_bytes"]), key
             assert f"--precision {key[3]}" in run["command"] and f"--procs {key[4]}" in run["command"], key
+            assert f"--p {key[5]:g} " in run["command"], key
     products = {(r["product"], r["width"]) for r in document["spmm"]}
     assert products == {(p, w) for p in ("A X", "A^T Y") for w in (16, 128)}
     for row in document["spmm"]:
@@ -85,24 +92,20 @@ def test_quick_cpu_run_writes_every_measurement(tmp_path):
         assert sum(op["ms_per_call"] for op in profile["ops"]) <= profile["ms_per_call"] * (1 + 1e-9), model
     table = (tmp_path / "gpu-quick.md").read_text()
     assert "quick, graphsage: one layer's aggregation" in table
-    assert "| quick | graphsage | bnsgcn | bf16 | 2 |" in table and "| quick | A X | 128 |" in table
+    assert "| quick | graphsage | bnsgcn | bf16 | 2 | 0.5 |" in table and "| quick | A X | 128 |" in table
     assert "Device: cpu" in table
 
 
-def test_bad_ranks_and_precisions_are_one_line(tmp_path, capsys):
+def test_bad_ranks_precisions_and_rates_are_one_line(tmp_path, capsys):
     from benchmarks.gpu import main
 
     for flags, line in (
         (("--precision", "fp8"), "error: unknown --precision 'fp8'; choose from fp32, tf32, bf16, comma-separated"),
         (("--ranks", "0,2"), "error: --ranks 0,2 is not a list of positive rank counts; pass e.g. --ranks 1,2,4"),
-        (("--ranks", "1,2", "--device", "cuda"), None),  # no GPU: that line; with one: ranks sharing it
+        (("--p", "1,2"), "error: --p 1,2 is not a list of sampling rates in [0, 1]; pass e.g. --p 1,0.1"),
     ):
         assert main(["--device", "cpu", "--quick", "--results", str(tmp_path), *flags]) == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        if line is None:
-            assert len(lines) == 1 and ("no CUDA GPU visible" in lines[0] or "--ranks above 1 on CUDA" in lines[0])
-        else:
-            assert lines == [line]
+        assert capsys.readouterr().err.strip().splitlines() == [line]
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
@@ -142,13 +145,13 @@ def test_every_measurement_is_saved_and_later_calls_merge(tmp_path):
     document = json.loads((tmp_path / "gpu.json").read_text())
     assert document["graphs"]["reference"]["source"] == "make_reference_graph.py"
     assert sorted((r["model"], r["epoch_time_s"]) for r in document["runs"]) == [("gat", 3.0), ("graphsage", 2.0)]
-    assert "| reference | gat | bnsgcn | fp32 | 1 | 3.0000 |" in (tmp_path / "gpu.md").read_text()
-    # another precision or rank count is another record, kept beside the first
-    save(tmp_path, "gpu", second | {"runs": [run("gat", 1.5) | {"precision": "bf16", "ranks": 2}]})
+    assert "| reference | gat | bnsgcn | fp32 | 1 | 1 | 3.0000 |" in (tmp_path / "gpu.md").read_text()
+    # another precision, rank count or p is another record, kept beside the first
+    save(tmp_path, "gpu", second | {"runs": [run("gat", 1.5) | {"precision": "bf16", "ranks": 2, "p": 0.1}]})
     document = json.loads((tmp_path / "gpu.json").read_text())
     assert sorted((r["model"], r.get("precision", "fp32"), r["epoch_time_s"]) for r in document["runs"]) == [
         ("gat", "bf16", 1.5),
         ("gat", "fp32", 3.0),
         ("graphsage", "fp32", 2.0),
     ]
-    assert "| reference | gat | bnsgcn | bf16 | 2 | 1.5000 |" in (tmp_path / "gpu.md").read_text()
+    assert "| reference | gat | bnsgcn | bf16 | 2 | 0.1 | 1.5000 |" in (tmp_path / "gpu.md").read_text()
