@@ -22,6 +22,7 @@ from .helpers import reference
 from .helpers.cli import SMALL_RUN, train_without_numba
 from .helpers.device_syncs import instrument_cuda_syncs
 from .helpers.graphs import partition, random_graph
+from .helpers.precision import record_dtypes
 from .helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -189,8 +190,6 @@ def test_tf32_and_bf16_train_on_one_gpu(tmp_path, one_part):
     bf16 multiplies in bfloat16 on the GPU with float32 parameters, optimizer state and
     loss, and resolves the wire format to bf16. One rank: no boundary row crosses, so the
     halved bytes are tests/test_precision.py's (CPU ranks)."""
-    from .test_precision import record_dtypes
-
     _, parts = one_part
     configs = {
         precision: reference.exact_config(
