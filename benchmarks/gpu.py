@@ -529,26 +529,26 @@ def _precisions(text: str) -> list[str]:
     return names
 
 
-def _rank_counts(text: str) -> list[int]:
-    """The rank counts of ``--ranks`` (each once, in order), or ValueError."""
+def _number_list(text: str, flag: str, kind: type, valid, what: str, example: str) -> list:
+    """The numbers of a comma-separated ``flag`` (each once, in order), or ValueError saying
+    it is not a list of ``what``."""
     try:
-        counts = list(dict.fromkeys(int(count) for count in text.split(",")))
+        numbers = list(dict.fromkeys(kind(number) for number in text.split(",")))
     except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise ValueError(f"--ranks {text} is not a list of positive rank counts; pass e.g. --ranks 1,2,4")
-    return counts
+        numbers = []
+    if not numbers or not all(valid(number) for number in numbers):
+        raise ValueError(f"{flag} {text} is not a list of {what}; pass e.g. {flag} {example}")
+    return numbers
+
+
+def _rank_counts(text: str) -> list[int]:
+    """The rank counts of ``--ranks``, or ValueError."""
+    return _number_list(text, "--ranks", int, lambda n: n >= 1, "positive rank counts", "1,2,4")
 
 
 def _sampling_rates(text: str) -> list[float]:
-    """The ps of ``--p`` (each once, in order), or ValueError."""
-    try:
-        rates = list(dict.fromkeys(float(rate) for rate in text.split(",")))
-    except ValueError:
-        rates = []
-    if not rates or not all(0 <= rate <= 1 for rate in rates):
-        raise ValueError(f"--p {text} is not a list of sampling rates in [0, 1]; pass e.g. --p 1,0.1")
-    return rates
+    """The ps of ``--p``, or ValueError."""
+    return _number_list(text, "--p", float, lambda p: 0 <= p <= 1, "sampling rates in [0, 1]", "1,0.1")
 
 
 def main(argv: list[str] | None = None) -> int:
