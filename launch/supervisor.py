@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, TextIO
 
@@ -59,16 +60,36 @@ class _StopSignals:
     """While entered, the first SIGINT/SIGTERM raises :class:`_Interrupted` in the main
     thread; later ones, and all after :meth:`disarm`, are ignored so that cleanup runs
     to the end. Only the main thread may install handlers; elsewhere this does nothing.
+    Inside :meth:`deferred` the signal is held and raised at its end instead.
     """
 
     def __init__(self) -> None:
         self._armed = True
+        self._deferring = False
+        self._pending: int | None = None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, _frame) -> None:
-        if self._armed:
+        if not self._armed:
+            return
+        if self._deferring:
+            self._pending = self._pending or signum
+            return
+        self._armed = False
+        raise _Interrupted(signum)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold a stop signal until the block is done: a child being started when it came
+        is then on the list of children to stop, not left running outside it."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None and self._armed:
             self._armed = False
-            raise _Interrupted(signum)
+            raise _Interrupted(self._pending)
 
     def disarm(self) -> None:
         self._armed = False
@@ -227,8 +248,9 @@ def supervise_outcome(
     running: list[_Running] = []
     with _StopSignals() as stop_signals, _ForwardSignals(running):
         try:
-            for child in children:
-                running.append(_Running(child, exits, lock, stdout, stderr))
+            with stop_signals.deferred():
+                for child in children:
+                    running.append(_Running(child, exits, lock, stdout, stderr))
             failed = _first_failure(exits, len(running), settle_s)
             if failed is None:
                 return Outcome(0)

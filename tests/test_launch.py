@@ -211,6 +211,26 @@ def test_signal_to_the_launcher_stops_every_rank(signum):
     assert all(is_gone(pid) for pid in pids)
 
 
+def test_signal_while_a_rank_is_being_started_stops_that_rank_too(monkeypatch):
+    """SIGTERM arriving while the last rank is being started (after its process exists,
+    before the supervisor lists it) still stops every rank: the signal waits for the start."""
+    from bnsgcn.launch import supervisor
+
+    start, pids = supervisor._Running.__init__, []
+
+    def start_then_signal(self, child, *args):
+        start(self, child, *args)
+        pids.append(self.process.pid)
+        if child.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+
+    monkeypatch.setattr(supervisor._Running, "__init__", start_then_signal)
+    status, _, err, _ = run_supervised([Child(r, [PY, "-c", SLEEP]) for r in range(2)], grace_s=2.0)
+    assert status == 128 + signal.SIGTERM
+    assert err.splitlines()[-1] == "error: interrupted by SIGTERM; stopped all 2 local ranks"
+    assert len(pids) == 2 and all(is_gone(pid) for pid in pids)
+
+
 def test_rank_entry_reports_user_errors_through_the_supervisor():
     env = os.environ | {"RANK": "0"}
     status, _, err, _ = run_supervised([Child(0, [PY, "-m", "bnsgcn.launch.rank", "--p", "2"], env)])
