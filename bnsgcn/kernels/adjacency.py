@@ -46,6 +46,22 @@ def kept_entries(values: Tensor, keep: Tensor, count: int | None = None) -> Tens
     return _compact(values, keep, torch.cumsum(keep, 0) - 1, count)
 
 
+# the constructor's arguments (n_rows follows from indptr), and those of them that are tensors
+_FIELDS = (
+    "indptr",
+    "indices",
+    "values",
+    "t_indptr",
+    "t_indices",
+    "t_edge",
+    "t_values",
+    "n_cols",
+    "row_scale",
+    "col_scale",
+)
+_TENSOR_FIELDS = tuple(name for name in _FIELDS if name != "n_cols")
+
+
 class Adjacency:
     r"""Sparse matrix :math:`A \in \mathbb{R}^{n_{rows} \times n_{cols}}` in CSR with its transpose.
 
@@ -154,17 +170,11 @@ class Adjacency:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """Every tensor this matrix holds (for memory accounting; ``None`` where absent)."""
-        return (
-            self.indptr,
-            self.indices,
-            self.values,
-            self.t_indptr,
-            self.t_indices,
-            self.t_edge,
-            self.t_values,
-            self.row_scale,
-            self.col_scale,
-        )
+        return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
+
+    def _replace(self, **changed) -> Adjacency:
+        """This matrix with the constructor arguments ``changed``, the others shared."""
+        return Adjacency(**({name: getattr(self, name) for name in _FIELDS} | changed))
 
     @property
     def device(self) -> torch.device:
@@ -174,19 +184,7 @@ class Adjacency:
         """Same sparsity structure (the transpose is shared, not rebuilt), new ``values [nnz]``."""
         if values is not None and (values.shape != (self.nnz,) or not values.is_floating_point()):
             raise ValueError(f"values must be a float tensor of shape [nnz={self.nnz}] or None; fix the values")
-        t_values = None if values is None else values[self.t_edge]
-        return Adjacency(
-            self.indptr,
-            self.indices,
-            values,
-            self.t_indptr,
-            self.t_indices,
-            self.t_edge,
-            t_values,
-            self.n_cols,
-            self.row_scale,
-            self.col_scale,
-        )
+        return self._replace(values=values, t_values=None if values is None else values[self.t_edge])
 
     def scale_columns(self, factor: float) -> Adjacency:
         """``A diag(factor)``: the same matrix with every column scaled (O(n_cols), nothing per entry)."""
@@ -218,36 +216,12 @@ class Adjacency:
         """The same pattern and values (shared, not copied) under other scale vectors
         ``row_scale`` [n_rows] and ``col_scale`` [n_cols] (None: all ones): another
         normalisation of the same matrix, O(1)."""
-        return Adjacency(
-            self.indptr,
-            self.indices,
-            self.values,
-            self.t_indptr,
-            self.t_indices,
-            self.t_edge,
-            self.t_values,
-            self.n_cols,
-            row_scale,
-            col_scale,
-        )
+        return self._replace(row_scale=row_scale, col_scale=col_scale)
 
     def to(self, device: torch.device | str) -> Adjacency:
         """Copy of every tensor on ``device``."""
-
-        def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device)
-
-        return Adjacency(
-            move(self.indptr),
-            move(self.indices),
-            move(self.values),
-            move(self.t_indptr),
-            move(self.t_indices),
-            move(self.t_edge),
-            move(self.t_values),
-            self.n_cols,
-            move(self.row_scale),
-            move(self.col_scale),
+        return self._replace(
+            **{name: None if t is None else t.to(device) for name, t in zip(_TENSOR_FIELDS, self.tensors())}
         )
 
     def __repr__(self) -> str:
